@@ -1,0 +1,88 @@
+//! Errors name the peer, the operation and the time waited, because "it hung" is not a diagnosis.
+
+use std::time::Duration;
+use thiserror::Error;
+
+pub type Result<T> = std::result::Result<T, PlaitError>;
+
+#[derive(Debug, Clone, Error)]
+pub enum PlaitError {
+    /// Bad arguments, detected before anything is sent.
+    #[error("{0}")]
+    InvalidArgument(String),
+    /// Bad configuration (unknown algorithm name, malformed environment variable).
+    #[error("{0}")]
+    Config(String),
+    /// A peer died, closed or reset its connection, or sent something unintelligible.
+    #[error("{op}: peer rank {peer} ({addr}) {what} after {waited:.3?}")]
+    Peer { op: String, peer: usize, addr: String, what: String, waited: Duration },
+    /// A deadline passed.
+    #[error("{op}: timed out after {waited:.3?} waiting for {waiting_on}")]
+    Timeout { op: String, waiting_on: String, waited: Duration },
+    /// Ranks disagree on what they are doing (collective, dtype, count, op, root).
+    #[error("{op}: mismatch with rank {peer}: {detail}")]
+    Mismatch { op: String, peer: usize, detail: String },
+    /// `abort()` was called.
+    #[error("{op}: aborted ({reason})")]
+    Aborted { op: String, reason: String },
+    /// The communicator already failed (or was closed); it must be rebuilt.
+    #[error("communicator is no longer usable: {0}")]
+    Broken(String),
+    #[error("rendezvous: {0}")]
+    Rendezvous(String),
+    #[error("I/O: {0}")]
+    Io(String),
+}
+
+impl PlaitError {
+    pub fn invalid(msg: impl Into<String>) -> Self {
+        PlaitError::InvalidArgument(msg.into())
+    }
+
+    /// The same failure, reported for another operation (every op in flight fails with the
+    /// reason the communicator broke, under its own name).
+    pub fn for_op(&self, op: &str) -> PlaitError {
+        match self {
+            PlaitError::Peer { peer, addr, what, waited, .. } => PlaitError::Peer {
+                op: op.to_string(),
+                peer: *peer,
+                addr: addr.clone(),
+                what: what.clone(),
+                waited: *waited,
+            },
+            PlaitError::Aborted { reason, .. } => {
+                PlaitError::Aborted { op: op.to_string(), reason: reason.clone() }
+            }
+            PlaitError::Mismatch { peer, detail, .. } => {
+                PlaitError::Mismatch { op: op.to_string(), peer: *peer, detail: detail.clone() }
+            }
+            PlaitError::Timeout { waiting_on, waited, .. } => PlaitError::Timeout {
+                op: op.to_string(),
+                waiting_on: waiting_on.clone(),
+                waited: *waited,
+            },
+            other => other.clone(),
+        }
+    }
+
+    /// Short machine-readable kind, used by the Python layer to pick the exception class.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            PlaitError::InvalidArgument(_) => "invalid",
+            PlaitError::Config(_) => "config",
+            PlaitError::Peer { .. } => "peer",
+            PlaitError::Timeout { .. } => "timeout",
+            PlaitError::Mismatch { .. } => "mismatch",
+            PlaitError::Aborted { .. } => "aborted",
+            PlaitError::Broken(_) => "broken",
+            PlaitError::Rendezvous(_) => "rendezvous",
+            PlaitError::Io(_) => "io",
+        }
+    }
+}
+
+impl From<std::io::Error> for PlaitError {
+    fn from(e: std::io::Error) -> Self {
+        PlaitError::Io(e.to_string())
+    }
+}
