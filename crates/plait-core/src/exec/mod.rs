@@ -1,1 +1,518 @@
-//! (in progress)
+//! The executor: runs any verified schedule over the links, pipelined over segments, with a
+//! deadline, abortable from another thread, leaving the caller's output untouched on failure.
+//!
+//! Each segment walks the schedule's steps on its own: step k+1 of segment s starts as soon as
+//! step k of segment s is done, so segments overlap on the links without any pipelining code in
+//! the schedules. Transfers complete through one event queue per operation.
+
+pub mod fabric;
+pub mod layout;
+pub mod mailbox;
+
+use crate::dtype::{DType, ReduceOp};
+use crate::error::{PlaitError, Result};
+use crate::kernels;
+use crate::net::frame::{FrameHeader, FrameKind};
+use crate::net::peer::{SendBuf, SendReq};
+use crate::sched::{Buf, ChunkRef, Collective, LocalOp, Schedule};
+use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
+use fabric::Fabric;
+use layout::Layout;
+use mailbox::{Expect, Landing, Posted};
+use parking_lot::Mutex;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Completion of one transfer.
+pub struct Event {
+    pub token: u32,
+    pub result: Result<()>,
+    /// The peer the transfer was with.
+    pub source: usize,
+}
+
+/// Caller memory (a pointer and a length in bytes). Null is fine when the length is 0.
+#[derive(Clone, Copy, Debug)]
+pub struct RawBuf {
+    pub ptr: *mut u8,
+    pub len: usize,
+}
+// SAFETY: the caller of the executor keeps the memory alive and unaliased by Rust references
+// until the operation completes.
+unsafe impl Send for RawBuf {}
+unsafe impl Sync for RawBuf {}
+
+impl RawBuf {
+    pub const EMPTY: RawBuf = RawBuf { ptr: std::ptr::null_mut(), len: 0 };
+}
+
+/// # Safety
+/// `p` must be valid for `len` bytes (any pointer is fine when `len == 0`).
+pub(crate) unsafe fn bytes_mut<'a>(p: *mut u8, len: usize) -> &'a mut [u8] {
+    if len == 0 {
+        &mut []
+    } else {
+        std::slice::from_raw_parts_mut(p, len)
+    }
+}
+
+/// # Safety
+/// As [`bytes_mut`].
+pub(crate) unsafe fn bytes<'a>(p: *const u8, len: usize) -> &'a [u8] {
+    if len == 0 {
+        &[]
+    } else {
+        std::slice::from_raw_parts(p, len)
+    }
+}
+
+/// What is being run, for headers, checks and messages.
+#[derive(Clone, Debug)]
+pub struct OpSpec {
+    pub coll: Collective,
+    pub dtype: DType,
+    pub op: ReduceOp,
+    pub root: usize,
+    pub seq: u64,
+    pub timeout: Duration,
+    pub sched_id: u32,
+    pub what: Arc<str>,
+}
+
+impl OpSpec {
+    fn op_code(&self) -> u8 {
+        if self.coll.reduces() {
+            self.op.code()
+        } else {
+            0
+        }
+    }
+}
+
+/// Identifies (algorithm, segment size): ranks must agree on both.
+pub fn sched_id(name: &str, seg_bytes: usize) -> u32 {
+    let mut h: u32 = 0x811c9dc5;
+    for b in name.bytes().chain(seg_bytes.to_le_bytes()) {
+        h = (h ^ b as u32).wrapping_mul(0x01000193);
+    }
+    h
+}
+
+/// Runs one collective. Returns when every transfer has finished, successfully or not; on
+/// failure the output holds exactly what it held before the call.
+pub fn run_collective(
+    fabric: &Fabric,
+    spec: &OpSpec,
+    sched: &Schedule,
+    layout: &Layout,
+    input: RawBuf,
+    output: RawBuf,
+) -> Result<()> {
+    if let Some(err) = fabric.broken() {
+        return Err(PlaitError::Broken(err.to_string()));
+    }
+    let start = Instant::now();
+    let snapshot = unsafe { bytes(output.ptr, output.len) }.to_vec();
+    let mut scratch = vec![0u8; sched.scratch_slots * layout.scratch_slot_bytes];
+    let run = Run {
+        fabric,
+        spec,
+        sched,
+        layout,
+        input,
+        output,
+        scratch: RawBuf { ptr: scratch.as_mut_ptr(), len: scratch.len() },
+        op_id: fabric.op_id(),
+        locks: Arc::new(Mutex::new(())),
+    };
+    let (tx, rx) = crossbeam_channel::unbounded();
+    let mut state = State::new(layout.max_nseg(), sched.nsteps());
+    let result = run.drive(&tx, &rx, &mut state, start);
+    match result {
+        Ok(()) => {
+            run.finalize();
+            Ok(())
+        }
+        Err(err) => {
+            let err = run.abandon(err, &rx, &mut state, start);
+            unsafe { bytes_mut(output.ptr, output.len) }.copy_from_slice(&snapshot);
+            Err(err)
+        }
+    }
+}
+
+struct State {
+    /// Next step to run, per segment.
+    step: Vec<usize>,
+    /// Transfers of the current step still under way, per segment: (peer, is_send).
+    pending: Vec<Vec<(usize, bool)>>,
+    /// Transfers issued and not yet reported (cancelled receives are subtracted).
+    outstanding: usize,
+    done: usize,
+    nsteps: usize,
+}
+
+impl State {
+    fn new(nseg: usize, nsteps: usize) -> State {
+        State { step: vec![0; nseg], pending: vec![Vec::new(); nseg], outstanding: 0, done: 0, nsteps }
+    }
+}
+
+struct Run<'a> {
+    fabric: &'a Fabric,
+    spec: &'a OpSpec,
+    sched: &'a Schedule,
+    layout: &'a Layout,
+    input: RawBuf,
+    output: RawBuf,
+    scratch: RawBuf,
+    op_id: u64,
+    /// Serialises accumulating receives of this operation (several peers reducing into one chunk).
+    locks: Arc<Mutex<()>>,
+}
+
+impl Run<'_> {
+    /// (pointer, bytes, elements of the whole chunk) of segment `s` of chunk `c`, or None when
+    /// the chunk has fewer segments.
+    fn seg_ptr(&self, c: ChunkRef, s: usize) -> Result<Option<(*mut u8, usize, usize)>> {
+        let (off, elems) = self.layout.chunk(c)?;
+        if s >= self.layout.nseg(elems) {
+            return Ok(None);
+        }
+        let (a, b) = self.layout.seg(elems, s);
+        let es = self.layout.esize;
+        let base = match c.buf {
+            Buf::Input => self.input,
+            Buf::Output => self.output,
+            Buf::Scratch => self.scratch,
+        };
+        let end = off + b * es;
+        if end > base.len {
+            return Err(PlaitError::invalid(format!(
+                "{}: {:?} chunk {} ends at byte {end}, the buffer has {}",
+                self.spec.what, c.buf, c.index, base.len
+            )));
+        }
+        Ok(Some((unsafe { base.ptr.add(off + a * es) }, (b - a) * es, elems)))
+    }
+
+    fn drive(&self, tx: &Sender<Event>, rx: &Receiver<Event>, st: &mut State, start: Instant) -> Result<()> {
+        let deadline = start + self.spec.timeout;
+        for s in 0..st.step.len() {
+            self.advance(s, tx, st)?;
+        }
+        while st.done < st.step.len() {
+            let wake = deadline.min(Instant::now() + Duration::from_millis(100));
+            match rx.recv_deadline(wake) {
+                Ok(ev) => {
+                    st.outstanding -= 1;
+                    ev.result?;
+                    let s = ev.token as usize;
+                    if let Some(i) = st.pending[s].iter().position(|(p, _)| *p == ev.source) {
+                        st.pending[s].swap_remove(i);
+                    }
+                    if st.pending[s].is_empty() {
+                        self.locals(s, st.step[s])?;
+                        st.step[s] += 1;
+                        self.advance(s, tx, st)?;
+                    }
+                }
+                Err(RecvTimeoutError::Timeout) => {
+                    if let Some(err) = self.fabric.broken() {
+                        return Err(err);
+                    }
+                    if Instant::now() >= deadline {
+                        return Err(self.timeout_error(st, start));
+                    }
+                }
+                Err(RecvTimeoutError::Disconnected) => unreachable!("the run holds a sender"),
+            }
+        }
+        Ok(())
+    }
+
+    /// Issues the transfers of segment `s`'s current step, running locals-only steps at once.
+    fn advance(&self, s: usize, tx: &Sender<Event>, st: &mut State) -> Result<()> {
+        let rank = self.layout.rank;
+        while st.step[s] < st.nsteps {
+            let k = st.step[s];
+            let Some(step) = self.sched.ranks[rank].get(k) else {
+                st.step[s] += 1;
+                continue;
+            };
+            let mut ordinals = vec![(0u32, 0u32); self.fabric.size];
+            for r in &step.recvs {
+                let peer = r.peer as usize;
+                let ordinal = ordinals[peer].1;
+                ordinals[peer].1 += 1;
+                let Some((dst, len, elems)) = self.seg_ptr(r.dst, s)? else { continue };
+                let landing = match r.reduce_with {
+                    None => Landing::Copy { dst },
+                    Some(w) => {
+                        let (with, _, _) = self.seg_ptr(w, s)?.expect("verified: same block size");
+                        Landing::Reduce { dst, with, dtype: self.spec.dtype, op: self.spec.op.combiner(), lock: self.locks.clone() }
+                    }
+                };
+                st.pending[s].push((peer, false));
+                st.outstanding += 1;
+                let key = (peer, FrameKind::Data as u8, self.spec.seq, k as u32, s as u32, ordinal);
+                self.fabric.mailbox.post(key, Posted {
+                    landing,
+                    len,
+                    expect: self.expect(elems, len),
+                    op_id: self.op_id,
+                    token: s as u32,
+                    events: tx.clone(),
+                });
+            }
+            for snd in &step.sends {
+                let peer = snd.peer as usize;
+                let ordinal = ordinals[peer].0;
+                ordinals[peer].0 += 1;
+                let Some((src, len, elems)) = self.seg_ptr(snd.src, s)? else { continue };
+                let header = FrameHeader {
+                    kind: FrameKind::Data as u8,
+                    coll: self.spec.coll.code(),
+                    dtype: self.spec.dtype as u8,
+                    op: self.spec.op_code(),
+                    seq: self.spec.seq,
+                    step: k as u32,
+                    segment: s as u32,
+                    ordinal,
+                    root: self.spec.root as u32,
+                    count: elems as u64,
+                    nbytes: len as u64,
+                    sched_id: self.spec.sched_id,
+                };
+                st.pending[s].push((peer, true));
+                st.outstanding += 1;
+                let tx = tx.clone();
+                let what = self.spec.what.clone();
+                let addr = self.fabric.peer_addr(peer);
+                self.fabric.link(peer).send(SendReq {
+                    header,
+                    data: SendBuf { ptr: src, len },
+                    done: Some(Box::new(move |r| {
+                        let result = r.map_err(|e| PlaitError::Peer {
+                            op: what.to_string(),
+                            peer,
+                            addr,
+                            what: format!("could not be sent to: {e}"),
+                            waited: Duration::ZERO,
+                        });
+                        let _ = tx.send(Event { token: s as u32, result, source: peer });
+                    })),
+                });
+            }
+            if !st.pending[s].is_empty() {
+                return Ok(());
+            }
+            self.locals(s, k)?;
+            st.step[s] += 1;
+        }
+        st.done += 1;
+        Ok(())
+    }
+
+    fn expect(&self, elems: usize, len: usize) -> Expect {
+        Expect {
+            coll: self.spec.coll.code(),
+            dtype: self.spec.dtype as u8,
+            op: self.spec.op_code(),
+            root: self.spec.root as u32,
+            count: elems as u64,
+            nbytes: len as u64,
+            sched_id: self.spec.sched_id,
+            what: self.spec.what.clone(),
+        }
+    }
+
+    fn locals(&self, s: usize, k: usize) -> Result<()> {
+        let Some(step) = self.sched.ranks[self.layout.rank].get(k) else { return Ok(()) };
+        for l in &step.locals {
+            let (src, dst) = match l {
+                LocalOp::Copy { src, dst } | LocalOp::Reduce { src, dst } => (*src, *dst),
+            };
+            let (Some((sp, len, _)), Some((dp, _, _))) = (self.seg_ptr(src, s)?, self.seg_ptr(dst, s)?) else {
+                continue;
+            };
+            if std::ptr::eq(sp, dp) || len == 0 {
+                continue;
+            }
+            match l {
+                // Regions of one caller buffer may overlap in place: copy with memmove semantics.
+                LocalOp::Copy { .. } => unsafe { std::ptr::copy(sp, dp, len) },
+                LocalOp::Reduce { .. } => {
+                    let _g = self.locks.lock();
+                    let (d, sr) = unsafe { (bytes_mut(dp, len), bytes(sp, len)) };
+                    kernels::reduce_into(d, sr, self.spec.dtype, self.spec.op.combiner());
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn finalize(&self) {
+        let reduced = match self.spec.coll {
+            Collective::AllReduce | Collective::ReduceScatter => true,
+            Collective::Reduce => self.layout.rank == self.spec.root,
+            _ => false,
+        };
+        if reduced {
+            let out = unsafe { bytes_mut(self.output.ptr, self.output.len) };
+            kernels::finalize(out, self.spec.dtype, self.spec.op, self.layout.n);
+        }
+    }
+
+    fn timeout_error(&self, st: &State, start: Instant) -> PlaitError {
+        let mut waiting: Vec<String> = Vec::new();
+        for (s, pend) in st.pending.iter().enumerate() {
+            for (peer, is_send) in pend {
+                let d = format!(
+                    "rank {peer} ({}) to {} step {} segment {s}",
+                    self.fabric.peer_addr(*peer),
+                    if *is_send { "take what this rank sends in" } else { "send its part of" },
+                    st.step[s]
+                );
+                if !waiting.contains(&d) {
+                    waiting.push(d);
+                }
+            }
+            if waiting.len() >= 3 {
+                break;
+            }
+        }
+        let quiet = (self.spec.timeout / 2).max(Duration::from_millis(500));
+        let silent = self.fabric.silent_peers(quiet);
+        let mut on = waiting.join("; ");
+        if !silent.is_empty() {
+            let names: Vec<String> = silent
+                .iter()
+                .map(|(p, d)| format!("rank {p} ({}) silent for {:.1?}", self.fabric.peer_addr(*p), d))
+                .collect();
+            on = format!("{on} [silent peers: {}]", names.join(", "));
+        }
+        PlaitError::Timeout { op: self.spec.what.to_string(), waiting_on: on, waited: start.elapsed() }
+    }
+
+    /// Fails the communicator, withdraws this operation's receives and waits until no link
+    /// thread touches the caller's memory any more.
+    fn abandon(&self, err: PlaitError, rx: &Receiver<Event>, st: &mut State, start: Instant) -> PlaitError {
+        let first = self.fabric.fail(err, true);
+        st.outstanding -= self.fabric.mailbox.cancel(self.op_id).min(st.outstanding);
+        let drain_deadline = Instant::now() + Duration::from_secs(10);
+        while st.outstanding > 0 {
+            match rx.recv_deadline(drain_deadline) {
+                Ok(_) => st.outstanding -= 1,
+                Err(_) => {
+                    tracing::error!("{}: {} transfers did not finish after the failure", self.spec.what, st.outstanding);
+                    break;
+                }
+            }
+        }
+        with_waited(first.for_op(&self.spec.what), start.elapsed())
+    }
+}
+
+fn with_waited(err: PlaitError, waited: Duration) -> PlaitError {
+    match err {
+        PlaitError::Peer { op, peer, addr, what, .. } => PlaitError::Peer { op, peer, addr, what, waited },
+        other => other,
+    }
+}
+
+/// Sends `data` to `peer` with `tag`; returns once it is on the wire.
+pub fn send_p2p(fabric: &Fabric, peer: usize, tag: u64, dtype: DType, data: RawBuf, timeout: Duration, what: Arc<str>) -> Result<()> {
+    if let Some(err) = fabric.broken() {
+        return Err(PlaitError::Broken(err.to_string()));
+    }
+    let start = Instant::now();
+    let (tx, rx) = crossbeam_channel::bounded(1);
+    let header = FrameHeader {
+        kind: FrameKind::P2p as u8,
+        dtype: dtype as u8,
+        seq: tag,
+        ordinal: fabric.p2p_ordinal(peer, tag),
+        count: (data.len / dtype.size()) as u64,
+        nbytes: data.len as u64,
+        ..Default::default()
+    };
+    let addr = fabric.peer_addr(peer);
+    let w = what.clone();
+    fabric.link(peer).send(SendReq {
+        header,
+        data: SendBuf { ptr: data.ptr, len: data.len },
+        done: Some(Box::new(move |r| {
+            let result = r.map_err(|e| PlaitError::Peer { op: w.to_string(), peer, addr, what: format!("could not be sent to: {e}"), waited: Duration::ZERO });
+            let _ = tx.send(Event { token: 0, result, source: peer });
+        })),
+    });
+    match wait_one(fabric, &rx, start, timeout, &what, peer, "take this message") {
+        Ok(_) => Ok(()),
+        Err((err, under_way)) => {
+            let first = fabric.fail(err, true);
+            if under_way {
+                // The sender thread reports once the shut socket fails the write.
+                let _ = rx.recv_timeout(Duration::from_secs(10));
+            }
+            Err(with_waited(first.for_op(&what), start.elapsed()))
+        }
+    }
+}
+
+/// Receives into `dst` from `src` (any peer when None) with `tag`; returns the sender.
+pub fn recv_p2p(fabric: &Fabric, src: Option<usize>, tag: u64, dtype: DType, dst: RawBuf, timeout: Duration, what: Arc<str>) -> Result<usize> {
+    if let Some(err) = fabric.broken() {
+        return Err(PlaitError::Broken(err.to_string()));
+    }
+    let start = Instant::now();
+    let snapshot = unsafe { bytes(dst.ptr, dst.len) }.to_vec();
+    let (tx, rx) = crossbeam_channel::bounded(1);
+    let op_id = fabric.op_id();
+    let expect = Expect {
+        coll: 0,
+        dtype: dtype as u8,
+        op: 0,
+        root: 0,
+        count: (dst.len / dtype.size()) as u64,
+        nbytes: dst.len as u64,
+        sched_id: 0,
+        what: what.clone(),
+    };
+    fabric.mailbox.post_p2p(src, tag, Posted { landing: Landing::Copy { dst: dst.ptr }, len: dst.len, expect, op_id, token: 0, events: tx });
+    let peer_desc = src.map(|p| p as i64).unwrap_or(-1);
+    match wait_one(fabric, &rx, start, timeout, &what, peer_desc.max(0) as usize, "send") {
+        Ok(source) => Ok(source),
+        Err((err, under_way)) => {
+            let first = fabric.fail(err, true);
+            if under_way && fabric.mailbox.cancel(op_id) == 0 {
+                let _ = rx.recv_timeout(Duration::from_secs(10));
+            }
+            unsafe { bytes_mut(dst.ptr, dst.len) }.copy_from_slice(&snapshot);
+            Err(with_waited(first.for_op(&what), start.elapsed()))
+        }
+    }
+}
+
+/// Waits for the single event of a point-to-point transfer. On error, says whether the
+/// transfer is still under way (its event not yet received).
+fn wait_one(fabric: &Fabric, rx: &Receiver<Event>, start: Instant, timeout: Duration, what: &str, peer: usize, doing: &str) -> std::result::Result<usize, (PlaitError, bool)> {
+    let deadline = start + timeout;
+    loop {
+        match rx.recv_deadline(deadline.min(Instant::now() + Duration::from_millis(100))) {
+            Ok(ev) => return ev.result.map(|_| ev.source).map_err(|e| (e, false)),
+            Err(_) => {
+                if let Some(err) = fabric.broken() {
+                    return Err((err, true));
+                }
+                if Instant::now() >= deadline {
+                    return Err((PlaitError::Timeout {
+                        op: what.to_string(),
+                        waiting_on: format!("rank {peer} ({}) to {doing}", fabric.peer_addr(peer)),
+                        waited: start.elapsed(),
+                    }, true));
+                }
+            }
+        }
+    }
+}

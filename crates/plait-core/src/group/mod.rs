@@ -1,1 +1,500 @@
-//! (in progress)
+//! The communicator: rank, size, epoch, the links to every peer, and the calls users make.
+//!
+//! Static mode: the ranks meet through a store, publish their interface addresses, and build a
+//! full mesh of TCP links, each bound to the local address chosen for that peer. After any
+//! failure the communicator is broken and a new one (a new epoch) must be built.
+
+mod inbox;
+mod work;
+
+pub use work::Work;
+
+use crate::dtype::{DType, ReduceOp};
+use crate::error::{PlaitError, Result};
+use crate::exec::fabric::Fabric;
+use crate::exec::layout::{counts_for, Layout};
+use crate::exec::mailbox::Mailbox;
+use crate::exec::{self, OpSpec, RawBuf};
+use crate::net::frame::FrameKind;
+use crate::net::iface::{list_interfaces, IfaceAddr};
+use crate::net::link::{connect, Hello, Listener};
+use crate::net::peer::PeerLink;
+use crate::net::route::{candidate_routes, IfaceFilter, Route};
+use crate::sched::cost::LinkModel;
+use crate::sched::select::{parse_algo_spec, Selector};
+use crate::sched::Collective;
+use crate::store::Store;
+use inbox::CommInbox;
+use parking_lot::Mutex;
+use serde::{Deserialize, Serialize};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+pub const DEFAULT_SEGMENT_BYTES: usize = 1 << 20;
+const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
+const ASYNC_WORKERS: usize = 2;
+
+#[derive(Clone, Debug)]
+pub struct CommConfig {
+    pub rank: usize,
+    pub size: usize,
+    /// Names the group in store keys and handshakes; links of other groups are refused.
+    pub group: String,
+    pub epoch: u64,
+    /// Default deadline of every operation (and of set-up).
+    pub timeout: Duration,
+    /// `PLAIT_ALGO` syntax: `allreduce:ring,allgather:direct`.
+    pub algo: Option<String>,
+    pub segment_bytes: usize,
+    /// `PLAIT_IFACE` syntax (NCCL_SOCKET_IFNAME-like).
+    pub iface: Option<String>,
+}
+
+fn env_nonempty(name: &str) -> Option<String> {
+    std::env::var(name).ok().filter(|v| !v.trim().is_empty())
+}
+
+impl CommConfig {
+    /// Defaults, taking `PLAIT_TIMEOUT`, `PLAIT_ALGO`, `PLAIT_SEGMENT_BYTES` and `PLAIT_IFACE`
+    /// from the environment.
+    pub fn from_env(rank: usize, size: usize) -> Result<CommConfig> {
+        let timeout = match env_nonempty("PLAIT_TIMEOUT") {
+            Some(v) => Duration::from_secs_f64(
+                v.parse::<f64>().ok().filter(|s| *s > 0.0).ok_or_else(|| {
+                    PlaitError::Config(format!("PLAIT_TIMEOUT={v:?} is not a positive number of seconds"))
+                })?,
+            ),
+            None => DEFAULT_TIMEOUT,
+        };
+        let segment_bytes = match env_nonempty("PLAIT_SEGMENT_BYTES") {
+            Some(v) => v.parse::<usize>().ok().filter(|s| *s >= 1024).ok_or_else(|| {
+                PlaitError::Config(format!("PLAIT_SEGMENT_BYTES={v:?} must be an integer >= 1024"))
+            })?,
+            None => DEFAULT_SEGMENT_BYTES,
+        };
+        Ok(CommConfig {
+            rank,
+            size,
+            group: "default".into(),
+            epoch: 0,
+            timeout,
+            algo: env_nonempty("PLAIT_ALGO"),
+            segment_bytes,
+            iface: env_nonempty("PLAIT_IFACE"),
+        })
+    }
+}
+
+/// What each rank publishes through the store.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+struct PeerInfo {
+    rank: usize,
+    port: u16,
+    host: String,
+    /// Same boot id and same network namespace: the peer can be reached over loopback.
+    machine: String,
+    addrs: Vec<IfaceAddr>,
+}
+
+/// The route chosen to a peer, for `routes()` and the logs.
+#[derive(Clone, Debug, Serialize)]
+pub struct RouteInfo {
+    pub peer: usize,
+    pub local: String,
+    pub remote: String,
+    pub reason: String,
+}
+
+pub struct CollRequest {
+    pub coll: Collective,
+    pub dtype: DType,
+    pub op: ReduceOp,
+    pub root: usize,
+    pub input: RawBuf,
+    pub output: RawBuf,
+    pub send_counts: Option<Vec<usize>>,
+    pub recv_counts: Option<Vec<usize>>,
+    pub timeout: Option<Duration>,
+    pub algo: Option<String>,
+}
+
+struct Job {
+    run: Box<dyn FnOnce() -> Result<usize> + Send>,
+    work: Work,
+}
+
+pub struct Communicator {
+    cfg: CommConfig,
+    fabric: Arc<Fabric>,
+    selector: Selector,
+    seq: AtomicU64,
+    listener: Mutex<Option<Listener>>,
+    routes: Vec<RouteInfo>,
+    closed: AtomicBool,
+    jobs: Mutex<Option<crossbeam_channel::Sender<Job>>>,
+    workers: Mutex<Vec<JoinHandle<()>>>,
+}
+
+fn machine_id() -> String {
+    let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap_or_default();
+    let netns = std::fs::read_link("/proc/self/ns/net").map(|p| p.display().to_string()).unwrap_or_default();
+    format!("{}/{}", boot.trim(), netns)
+}
+
+fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname").map(|s| s.trim().to_string()).unwrap_or_default()
+}
+
+impl Communicator {
+    /// Meets the other ranks through `store` and connects to every one of them.
+    pub fn new(store: &dyn Store, cfg: CommConfig) -> Result<Arc<Communicator>> {
+        let (rank, size) = (cfg.rank, cfg.size);
+        if size == 0 || rank >= size {
+            return Err(PlaitError::invalid(format!("rank {rank} is out of range for world size {size}")));
+        }
+        let overrides = match &cfg.algo {
+            Some(spec) => parse_algo_spec(spec)?,
+            None => Default::default(),
+        };
+        let filter = cfg.iface.as_deref().map(IfaceFilter::parse).transpose()?;
+        let selector = Selector::new(overrides, LinkModel::default(), cfg.segment_bytes);
+        let start = Instant::now();
+        let deadline = start + cfg.timeout;
+        let prefix = format!("plait/{}/{}", cfg.group, cfg.epoch);
+
+        let hello = Hello { group: cfg.group.clone(), epoch: cfg.epoch, from: rank as u32, to: rank as u32, world: size as u32 };
+        let listener = if size > 1 { Some(Listener::bind(hello.clone())?) } else { None };
+        let me = PeerInfo {
+            rank,
+            port: listener.as_ref().map(|l| l.port()).unwrap_or(0),
+            host: hostname(),
+            machine: machine_id(),
+            addrs: list_interfaces(),
+        };
+        store.set(&format!("{prefix}/rank/{rank}"), &serde_json::to_vec(&me).unwrap())?;
+
+        let mailbox = Arc::new(Mailbox::new());
+        let inbox = Arc::new(CommInbox::new(mailbox.clone()));
+        let heartbeat = (cfg.timeout / 4).clamp(Duration::from_millis(50), Duration::from_secs(1));
+        let mut fabric = Fabric::new(rank, size, mailbox);
+        let mut routes = Vec::new();
+        let setup = (|| -> Result<()> {
+            let mut infos = Vec::with_capacity(size);
+            for r in 0..size {
+                if r == rank {
+                    infos.push(me.clone());
+                    continue;
+                }
+                let left = deadline.saturating_duration_since(Instant::now());
+                let raw = store.get(&format!("{prefix}/rank/{r}"), left).map_err(|e| {
+                    PlaitError::Rendezvous(format!("rank {r} did not publish its address within {:?}: {e}", cfg.timeout))
+                })?;
+                let info: PeerInfo = serde_json::from_slice(&raw)
+                    .map_err(|e| PlaitError::Rendezvous(format!("rank {r} published an unreadable address record: {e}")))?;
+                infos.push(info);
+            }
+            // Lower ranks listen, higher ranks connect: simultaneous connects cannot deadlock.
+            for peer in 0..rank {
+                let info = &infos[peer];
+                let same_host = info.machine == me.machine;
+                let candidates = candidate_routes(&me.addrs, &info.addrs, same_host, filter.as_ref());
+                let (stream, route) = connect_first(&candidates, info, &Hello { to: peer as u32, ..hello.clone() }, deadline)?;
+                routes.push(route_info(peer, &route));
+                let addr = format!("{}:{}", route.peer_ip, info.port);
+                fabric.links[peer] = Some(PeerLink::start(peer, addr, stream, inbox.clone(), heartbeat)?);
+            }
+            for (peer, info) in infos.iter().enumerate().skip(rank + 1) {
+                let stream = listener.as_ref().unwrap().accept_from(peer as u32, deadline)?;
+                let remote = stream.peer_addr().map(|a| a.ip().to_string()).unwrap_or_default();
+                let local = stream.local_addr().map(|a| a.ip().to_string()).unwrap_or_default();
+                routes.push(RouteInfo { peer, local, remote: remote.clone(), reason: format!("accepted from rank {peer} ({})", info.host) });
+                fabric.links[peer] = Some(PeerLink::start(peer, format!("{remote}:{}", info.port), stream, inbox.clone(), heartbeat)?);
+            }
+            Ok(())
+        })();
+        let fabric = Arc::new(fabric);
+        inbox.attach(&fabric);
+        if let Err(e) = setup {
+            fabric.fail(e.clone(), true);
+            fabric.join_links();
+            if let Some(l) = listener {
+                l.close();
+            }
+            return Err(e);
+        }
+        routes.sort_by_key(|r| r.peer);
+        for r in &routes {
+            tracing::info!(rank, peer = r.peer, local = %r.local, remote = %r.remote, reason = %r.reason, "route");
+        }
+        let (tx, rx) = crossbeam_channel::unbounded::<Job>();
+        let workers = (0..ASYNC_WORKERS)
+            .map(|i| {
+                let rx = rx.clone();
+                std::thread::Builder::new()
+                    .name(format!("plait-op-{i}"))
+                    .spawn(move || {
+                        for job in rx {
+                            job.work.complete((job.run)());
+                        }
+                    })
+                    .expect("spawn worker")
+            })
+            .collect();
+        Ok(Arc::new(Communicator {
+            cfg,
+            fabric,
+            selector,
+            seq: AtomicU64::new(1),
+            listener: Mutex::new(listener),
+            routes,
+            closed: AtomicBool::new(false),
+            jobs: Mutex::new(Some(tx)),
+            workers: Mutex::new(workers),
+        }))
+    }
+
+    pub fn rank(&self) -> usize {
+        self.cfg.rank
+    }
+    pub fn size(&self) -> usize {
+        self.cfg.size
+    }
+    pub fn config(&self) -> &CommConfig {
+        &self.cfg
+    }
+    pub fn routes(&self) -> &[RouteInfo] {
+        &self.routes
+    }
+    pub fn listen_port(&self) -> Option<u16> {
+        self.listener.lock().as_ref().map(|l| l.port())
+    }
+
+    fn usable(&self) -> Result<()> {
+        if self.closed.load(Ordering::SeqCst) {
+            return Err(PlaitError::Broken("the communicator was closed".into()));
+        }
+        if let Some(err) = self.fabric.broken() {
+            return Err(PlaitError::Broken(err.to_string()));
+        }
+        Ok(())
+    }
+
+    fn check_rank(&self, what: &str, r: usize) -> Result<()> {
+        if r >= self.cfg.size {
+            return Err(PlaitError::invalid(format!("{what} {r} is out of range for world size {}", self.cfg.size)));
+        }
+        Ok(())
+    }
+
+    /// Validates a collective call and prepares it; nothing is sent and no sequence number is
+    /// used until every check has passed, so a rejected call cannot desynchronise the ranks.
+    fn prepare(&self, req: &CollRequest) -> Result<(OpSpec, Arc<crate::sched::Schedule>, Layout)> {
+        self.usable()?;
+        let (n, rank) = (self.cfg.size, self.cfg.rank);
+        let coll = req.coll;
+        if coll.rooted() {
+            self.check_rank("root", req.root)?;
+        }
+        if coll.reduces() && !req.op.supports(req.dtype) {
+            return Err(PlaitError::invalid(format!("{}: op {} is not defined for dtype {}", coll, req.op.name(), req.dtype)));
+        }
+        let es = req.dtype.size();
+        for (what, b) in [("input", req.input), ("output", req.output)] {
+            if b.len % es != 0 {
+                return Err(PlaitError::invalid(format!("{coll}: {what} of {} bytes is not a whole number of {} elements", b.len, req.dtype)));
+            }
+            if b.len > 0 && b.ptr.is_null() {
+                return Err(PlaitError::invalid(format!("{coll}: {what} pointer is null")));
+            }
+        }
+        let root = if coll.rooted() { req.root } else { 0 };
+        // Buffers a rank does not use are ignored (a non-root's output of reduce, say).
+        let uses_input = coll.input_chunks(n, rank, root) > 0;
+        let uses_output = coll.output_chunks(n, rank, root) > 0;
+        let in_elems = if uses_input { req.input.len / es } else { 0 };
+        let out_elems = if uses_output { req.output.len / es } else { 0 };
+        let counts = counts_for(coll, n, rank, root, in_elems, out_elems, req.send_counts.as_deref(), req.recv_counts.as_deref())?;
+        let layout = Layout::new(coll, n, rank, root, es, counts, self.cfg.segment_bytes);
+        let block_bytes: Vec<usize> = layout.counts.scratch.iter().map(|c| c * es).collect();
+        let sched = self.selector.choose(coll, n, root, &block_bytes, req.algo.as_deref())?;
+        let seq = self.seq.fetch_add(1, Ordering::SeqCst);
+        let total: usize = layout.counts.scratch.iter().sum();
+        let what: Arc<str> = if coll.reduces() {
+            format!("{coll} #{seq} ({}, {}, {total} elements, {})", req.dtype, req.op.name(), sched.name)
+        } else if coll.rooted() {
+            format!("{coll} #{seq} ({}, root {root}, {total} elements, {})", req.dtype, sched.name)
+        } else {
+            format!("{coll} #{seq} ({}, {total} elements, {})", req.dtype, sched.name)
+        }
+        .into();
+        let spec = OpSpec {
+            coll,
+            dtype: req.dtype,
+            op: req.op,
+            root,
+            seq,
+            timeout: req.timeout.unwrap_or(self.cfg.timeout),
+            sched_id: exec::sched_id(&sched.name, self.cfg.segment_bytes),
+            what,
+        };
+        Ok((spec, sched, layout))
+    }
+
+    /// Runs a collective. `inline` runs it on this thread (the caller waits anyway); otherwise
+    /// it runs on a worker and the returned Work completes later. The buffers must stay valid
+    /// until the Work completes.
+    pub fn collective(self: &Arc<Self>, req: CollRequest, inline: bool) -> Result<Work> {
+        let (spec, sched, layout) = self.prepare(&req)?;
+        let (input, output) = (req.input, req.output);
+        let me = self.clone();
+        self.submit(inline, Box::new(move || {
+            exec::run_collective(&me.fabric, &spec, &sched, &layout, input, output).map(|_| 0)
+        }))
+    }
+
+    pub fn send(self: &Arc<Self>, data: RawBuf, dtype: DType, peer: usize, tag: u64, timeout: Option<Duration>, inline: bool) -> Result<Work> {
+        self.usable()?;
+        self.check_rank("destination rank", peer)?;
+        if peer == self.cfg.rank {
+            return Err(PlaitError::invalid("send: a rank cannot send to itself"));
+        }
+        let timeout = timeout.unwrap_or(self.cfg.timeout);
+        let what: Arc<str> = format!("send to rank {peer} (tag {tag}, {} bytes)", data.len).into();
+        let me = self.clone();
+        self.submit(inline, Box::new(move || exec::send_p2p(&me.fabric, peer, tag, dtype, data, timeout, what).map(|_| peer)))
+    }
+
+    /// `src = None` receives from any source; the Work's value is the sender's rank.
+    pub fn recv(self: &Arc<Self>, data: RawBuf, dtype: DType, src: Option<usize>, tag: u64, timeout: Option<Duration>, inline: bool) -> Result<Work> {
+        self.usable()?;
+        if let Some(s) = src {
+            self.check_rank("source rank", s)?;
+            if s == self.cfg.rank {
+                return Err(PlaitError::invalid("recv: a rank cannot receive from itself"));
+            }
+        }
+        let timeout = timeout.unwrap_or(self.cfg.timeout);
+        let from = src.map(|s| format!("rank {s}")).unwrap_or_else(|| "any rank".into());
+        let what: Arc<str> = format!("recv from {from} (tag {tag}, {} bytes)", data.len).into();
+        let me = self.clone();
+        self.submit(inline, Box::new(move || exec::recv_p2p(&me.fabric, src, tag, dtype, data, timeout, what)))
+    }
+
+    /// Every rank waits until every rank has entered the barrier.
+    pub fn barrier(self: &Arc<Self>, timeout: Option<Duration>, inline: bool) -> Result<Work> {
+        let mut token = Box::new([1u8]);
+        let buf = RawBuf { ptr: token.as_mut_ptr(), len: 1 };
+        let req = CollRequest {
+            coll: Collective::AllReduce,
+            dtype: DType::U8,
+            op: ReduceOp::Max,
+            root: 0,
+            input: buf,
+            output: buf,
+            send_counts: None,
+            recv_counts: None,
+            timeout,
+            algo: None,
+        };
+        let (mut spec, sched, layout) = self.prepare(&req)?;
+        spec.what = format!("barrier #{}", spec.seq).into();
+        let me = self.clone();
+        self.submit(inline, Box::new(move || {
+            let r = exec::run_collective(&me.fabric, &spec, &sched, &layout, buf, buf).map(|_| 0);
+            drop(token);
+            r
+        }))
+    }
+
+    fn submit(&self, inline: bool, run: Box<dyn FnOnce() -> Result<usize> + Send>) -> Result<Work> {
+        let work = Work::new();
+        if inline {
+            work.complete(run());
+            return Ok(work);
+        }
+        let jobs = self.jobs.lock();
+        match jobs.as_ref() {
+            Some(tx) => {
+                tx.send(Job { run, work: work.clone() }).map_err(|_| PlaitError::Broken("the communicator was closed".into()))?;
+                Ok(work)
+            }
+            None => Err(PlaitError::Broken("the communicator was closed".into())),
+        }
+    }
+
+    /// The algorithm the selector picks for a call of `nbytes` (per rank buffer).
+    pub fn algorithm_for(&self, coll: Collective, nbytes: usize, root: usize) -> Result<String> {
+        let n = self.cfg.size;
+        let block_bytes: Vec<usize> = (0..n).map(|i| (i + 1) * nbytes / n - i * nbytes / n).collect();
+        Ok(self.selector.choose(coll, n, root, &block_bytes, None)?.name.clone())
+    }
+
+    /// Ends every operation in flight (they fail with `Aborted`) and breaks the communicator.
+    /// Safe from any thread.
+    pub fn abort(&self, reason: &str) {
+        self.fabric.fail(PlaitError::Aborted { op: String::new(), reason: reason.to_string() }, true);
+    }
+
+    /// Says goodbye to the peers, closes every socket and joins every thread. Idempotent.
+    pub fn close(&self) {
+        if self.closed.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        if self.fabric.broken().is_none() {
+            self.fabric.broadcast_control(FrameKind::Close, String::new(), Duration::from_secs(1));
+        }
+        self.fabric.fail(PlaitError::Broken("the communicator was closed".into()), false);
+        // Queued async jobs fail fast on the broken fabric; then the workers exit.
+        drop(self.jobs.lock().take());
+        let workers: Vec<_> = self.workers.lock().drain(..).collect();
+        for w in workers {
+            if w.thread().id() != std::thread::current().id() {
+                let _ = w.join();
+            }
+        }
+        self.fabric.join_links();
+        if let Some(l) = self.listener.lock().take() {
+            l.close();
+        }
+    }
+}
+
+impl Drop for Communicator {
+    fn drop(&mut self) {
+        self.close();
+    }
+}
+
+fn route_info(peer: usize, r: &Route) -> RouteInfo {
+    RouteInfo { peer, local: r.local.ip.to_string(), remote: r.peer_ip.to_string(), reason: r.reason.clone() }
+}
+
+/// Tries the candidate routes in order; each but the last gets a bounded share of the time.
+fn connect_first(candidates: &[Route], info: &PeerInfo, hello: &Hello, deadline: Instant) -> Result<(std::net::TcpStream, Route)> {
+    if candidates.is_empty() {
+        return Err(PlaitError::Rendezvous(format!(
+            "no usable route to rank {} ({}): none of its addresses {:?} is reachable from this host's interfaces (check PLAIT_IFACE)",
+            info.rank,
+            info.host,
+            info.addrs.iter().map(|a| a.ip.to_string()).collect::<Vec<_>>()
+        )));
+    }
+    let mut errors = Vec::new();
+    for (i, route) in candidates.iter().enumerate() {
+        let last = i + 1 == candidates.len();
+        let d = if last { deadline } else { deadline.min(Instant::now() + Duration::from_secs(5)) };
+        match connect(route, info.port, hello, d) {
+            Ok(s) => return Ok((s, route.clone())),
+            Err(e) => {
+                tracing::warn!(peer = info.rank, route = %route.peer_ip, "route failed, trying the next: {e}");
+                errors.push(format!("{} -> {}: {e}", route.local.ip, route.peer_ip));
+            }
+        }
+        if Instant::now() >= deadline {
+            break;
+        }
+    }
+    Err(PlaitError::Rendezvous(format!("could not connect to rank {} ({}): {}", info.rank, info.host, errors.join("; "))))
+}

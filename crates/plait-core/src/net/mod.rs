@@ -4,4 +4,5 @@
 pub mod frame;
 pub mod iface;
 pub mod link;
+pub mod peer;
 pub mod route;

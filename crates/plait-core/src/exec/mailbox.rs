@@ -1,0 +1,318 @@
+//! Matches frames arriving from peers with the receives operations have posted.
+//!
+//! A frame whose receive is already posted is read straight into its destination (no copy); one
+//! that arrives early is stashed and copied when its receive is posted. Every posted receive
+//! produces exactly one completion event: from the receiver thread, from `fail`, or not at all
+//! when its operation cancels it (and then knows it).
+
+use super::Event;
+use crate::dtype::{DType, ReduceOp};
+use crate::error::PlaitError;
+use crate::kernels;
+use crate::net::frame::{FrameHeader, FrameKind};
+use crossbeam_channel::Sender;
+use parking_lot::Mutex;
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::io::{self, Read};
+use std::sync::Arc;
+
+/// (peer, frame kind, seq or tag, step, segment, ordinal)
+pub type Key = (usize, u8, u64, u32, u32, u32);
+
+/// What the receiving side expects the frame to say; any difference is a mismatch.
+#[derive(Clone, Debug)]
+pub struct Expect {
+    pub coll: u8,
+    pub dtype: u8,
+    pub op: u8,
+    pub root: u32,
+    pub count: u64,
+    pub nbytes: u64,
+    pub sched_id: u32,
+    /// "allreduce #12 (f32, sum, 1000 elements)": for error messages.
+    pub what: Arc<str>,
+}
+
+pub enum Landing {
+    /// Read the payload into `dst`.
+    Copy { dst: *mut u8 },
+    /// `dst = with (+) payload`; `with` may equal `dst` (accumulate). `lock` serialises
+    /// accumulations into the same destination by different receiver threads.
+    Reduce { dst: *mut u8, with: *const u8, dtype: DType, op: ReduceOp, lock: Arc<Mutex<()>> },
+}
+
+pub struct Posted {
+    pub landing: Landing,
+    pub len: usize,
+    pub expect: Expect,
+    pub op_id: u64,
+    pub token: u32,
+    pub events: Sender<Event>,
+}
+// SAFETY: the pointers refer to buffers the posting operation keeps alive until it has received
+// this receive's completion event or cancelled it.
+unsafe impl Send for Posted {}
+
+struct Stashed {
+    header: FrameHeader,
+    data: Vec<u8>,
+}
+
+#[derive(Default)]
+struct Inner {
+    posted: HashMap<Key, Posted>,
+    stashed: HashMap<Key, Stashed>,
+    /// Receives from any source, by tag, oldest first.
+    any_source: HashMap<u64, Vec<Posted>>,
+    /// Next point-to-point ordinal to hand out per (peer, tag).
+    p2p_next: HashMap<(usize, u64), u32>,
+    broken: Option<PlaitError>,
+}
+
+#[derive(Default)]
+pub struct Mailbox {
+    inner: Mutex<Inner>,
+}
+
+thread_local! {
+    static REDUCE_TMP: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
+}
+
+impl Mailbox {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Posts a receive, or completes it at once from a stashed frame (on this thread).
+    pub fn post(&self, key: Key, p: Posted) {
+        let stashed = {
+            let mut inner = self.inner.lock();
+            if let Some(err) = &inner.broken {
+                let err = err.clone();
+                drop(inner);
+                let _ = p.events.send(Event { token: p.token, result: Err(err), source: key.0 });
+                return;
+            }
+            match inner.stashed.remove(&key) {
+                Some(s) => s,
+                None => {
+                    inner.posted.insert(key, p);
+                    return;
+                }
+            }
+        };
+        let result = land_from_memory(key.0, &stashed.header, &stashed.data, &p);
+        let _ = p.events.send(Event { token: p.token, result, source: key.0 });
+    }
+
+    /// Posts a point-to-point receive from `src` (or any source when `None`) with `tag`.
+    pub fn post_p2p(&self, src: Option<usize>, tag: u64, p: Posted) {
+        let mut inner = self.inner.lock();
+        if let Some(err) = &inner.broken {
+            let err = err.clone();
+            drop(inner);
+            let _ = p.events.send(Event { token: p.token, result: Err(err), source: src.unwrap_or(0) });
+            return;
+        }
+        let kind = FrameKind::P2p as u8;
+        let peer = match src {
+            Some(peer) => Some(peer),
+            // The earliest stashed message with this tag whose ordinal is next for its sender.
+            None => {
+                let mut found: Option<usize> = None;
+                for key in inner.stashed.keys() {
+                    if key.1 == kind && key.2 == tag {
+                        let next = inner.p2p_next.get(&(key.0, tag)).copied().unwrap_or(0);
+                        if key.5 == next && found.is_none_or(|f| key.0 < f) {
+                            found = Some(key.0);
+                        }
+                    }
+                }
+                found
+            }
+        };
+        let Some(peer) = peer else {
+            inner.any_source.entry(tag).or_default().push(p);
+            return;
+        };
+        let next = inner.p2p_next.entry((peer, tag)).or_insert(0);
+        let key = (peer, kind, tag, 0, 0, *next);
+        *next += 1;
+        match inner.stashed.remove(&key) {
+            Some(s) => {
+                drop(inner);
+                let result = land_from_memory(peer, &s.header, &s.data, &p);
+                let _ = p.events.send(Event { token: p.token, result, source: peer });
+            }
+            None => {
+                inner.posted.insert(key, p);
+            }
+        }
+    }
+
+    /// Removes the receives `op_id` posted that no frame has taken yet; returns how many.
+    pub fn cancel(&self, op_id: u64) -> usize {
+        let mut inner = self.inner.lock();
+        let before = inner.posted.len();
+        inner.posted.retain(|_, p| p.op_id != op_id);
+        let mut removed = before - inner.posted.len();
+        for list in inner.any_source.values_mut() {
+            let b = list.len();
+            list.retain(|p| p.op_id != op_id);
+            removed += b - list.len();
+        }
+        removed
+    }
+
+    /// Fails every posted receive and refuses new ones.
+    pub fn fail(&self, err: &PlaitError) {
+        let (posted, any): (Vec<_>, Vec<_>) = {
+            let mut inner = self.inner.lock();
+            if inner.broken.is_none() {
+                inner.broken = Some(err.clone());
+            }
+            inner.stashed.clear();
+            (inner.posted.drain().collect(), inner.any_source.drain().flat_map(|(_, v)| v).collect())
+        };
+        for (key, p) in posted {
+            let _ = p.events.send(Event { token: p.token, result: Err(err.clone()), source: key.0 });
+        }
+        for p in any {
+            let _ = p.events.send(Event { token: p.token, result: Err(err.clone()), source: 0 });
+        }
+    }
+
+    /// Called by the receiver thread of `peer` for a Data or P2p frame.
+    pub fn deliver(&self, peer: usize, h: &FrameHeader, payload: &mut dyn Read) -> io::Result<()> {
+        let key: Key = if h.kind == FrameKind::P2p as u8 {
+            (peer, h.kind, h.seq, 0, 0, h.ordinal)
+        } else {
+            (peer, h.kind, h.seq, h.step, h.segment, h.ordinal)
+        };
+        let taken = self.take(peer, key);
+        if let Some(p) = taken {
+            let result = land_from_stream(peer, h, payload, &p);
+            let _ = p.events.send(Event { token: p.token, result, source: peer });
+            return Ok(());
+        }
+        // Not posted yet: read without holding the lock, then look again before stashing.
+        let mut data = vec![0u8; h.nbytes as usize];
+        payload.read_exact(&mut data)?;
+        let mut inner = self.inner.lock();
+        if inner.broken.is_some() {
+            return Ok(());
+        }
+        if let Some(p) = take_locked(&mut inner, peer, key) {
+            drop(inner);
+            let result = land_from_memory(peer, h, &data, &p);
+            let _ = p.events.send(Event { token: p.token, result, source: peer });
+        } else {
+            inner.stashed.insert(key, Stashed { header: *h, data });
+        }
+        Ok(())
+    }
+
+    fn take(&self, peer: usize, key: Key) -> Option<Posted> {
+        take_locked(&mut self.inner.lock(), peer, key)
+    }
+}
+
+fn take_locked(inner: &mut Inner, peer: usize, key: Key) -> Option<Posted> {
+    if let Some(p) = inner.posted.remove(&key) {
+        return Some(p);
+    }
+    if key.1 == FrameKind::P2p as u8 {
+        let tag = key.2;
+        let next = inner.p2p_next.get(&(peer, tag)).copied().unwrap_or(0);
+        if key.5 == next {
+            if let Some(list) = inner.any_source.get_mut(&tag) {
+                if !list.is_empty() {
+                    inner.p2p_next.insert((peer, tag), next + 1);
+                    return Some(list.remove(0));
+                }
+            }
+        }
+    }
+    None
+}
+
+fn check(peer: usize, h: &FrameHeader, p: &Posted) -> Result<(), PlaitError> {
+    let e = &p.expect;
+    let theirs = describe_header(h);
+    let mismatch = |detail: String| PlaitError::Mismatch { op: e.what.to_string(), peer, detail };
+    if h.coll != e.coll || h.root != e.root || h.op != e.op || h.sched_id != e.sched_id {
+        return Err(mismatch(format!("rank {peer} sent {theirs}; this rank runs {}", e.what)));
+    }
+    if h.dtype != e.dtype {
+        return Err(mismatch(format!("rank {peer} sent {theirs}; dtypes differ")));
+    }
+    if h.count != e.count || h.nbytes != e.nbytes || h.nbytes as usize != p.len {
+        return Err(mismatch(format!(
+            "rank {peer} sent {} bytes ({} elements in its block), this rank expects {} bytes ({} elements): counts differ",
+            h.nbytes, h.count, e.nbytes, e.count
+        )));
+    }
+    Ok(())
+}
+
+fn describe_header(h: &FrameHeader) -> String {
+    let coll = crate::sched::Collective::from_code(h.coll).map(|c| c.name()).unwrap_or("p2p");
+    let dtype = DType::from_u8(h.dtype).map(|d| d.name()).unwrap_or("?");
+    format!("{coll} #{} ({dtype}, root {}, schedule {:#x})", h.seq, h.root, h.sched_id)
+}
+
+/// Reads the payload into the landing place. On a mismatch the payload is drained so the
+/// stream stays in sync, and the error is reported.
+fn land_from_stream(peer: usize, h: &FrameHeader, payload: &mut dyn Read, p: &Posted) -> Result<(), PlaitError> {
+    if let Err(e) = check(peer, h, p) {
+        let _ = io::copy(payload, &mut io::sink());
+        return Err(e);
+    }
+    let io_err = |e: io::Error| PlaitError::Peer {
+        op: p.expect.what.to_string(),
+        peer,
+        addr: String::new(),
+        what: format!("failed mid-message: {e}"),
+        waited: Default::default(),
+    };
+    match &p.landing {
+        Landing::Copy { dst } => {
+            let dst = unsafe { super::bytes_mut(*dst, p.len) };
+            payload.read_exact(dst).map_err(io_err)
+        }
+        Landing::Reduce { .. } => REDUCE_TMP.with(|tmp| {
+            let mut tmp = tmp.borrow_mut();
+            tmp.resize(p.len, 0);
+            payload.read_exact(&mut tmp[..]).map_err(io_err)?;
+            reduce_landing(p, &tmp[..]);
+            Ok(())
+        }),
+    }
+}
+
+fn land_from_memory(peer: usize, h: &FrameHeader, data: &[u8], p: &Posted) -> Result<(), PlaitError> {
+    check(peer, h, p)?;
+    match &p.landing {
+        Landing::Copy { dst } => {
+            let dst = unsafe { super::bytes_mut(*dst, p.len) };
+            dst.copy_from_slice(data);
+        }
+        Landing::Reduce { .. } => reduce_landing(p, data),
+    }
+    Ok(())
+}
+
+fn reduce_landing(p: &Posted, incoming: &[u8]) {
+    if let Landing::Reduce { dst, with, dtype, op, lock } = &p.landing {
+        let _guard = lock.lock();
+        if std::ptr::eq(*dst as *const u8, *with) {
+            let d = unsafe { super::bytes_mut(*dst, p.len) };
+            kernels::reduce_into(d, incoming, *dtype, *op);
+        } else {
+            let d = unsafe { super::bytes_mut(*dst, p.len) };
+            let w = unsafe { super::bytes(*with, p.len) };
+            kernels::reduce_from(d, w, incoming, *dtype, *op);
+        }
+    }
+}

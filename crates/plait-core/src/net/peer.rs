@@ -1,0 +1,271 @@
+//! A connected peer: one sender thread that writes frames from a queue, one receiver thread that
+//! reads frames and hands each to an [`Inbox`]. Neither knows about collectives.
+//!
+//! Why threads per peer: every link carries traffic at once (a full mesh uses all cables), and a
+//! blocked write to one slow peer must never stall another.
+
+use super::frame::{FrameHeader, FrameKind, HEADER_LEN};
+use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
+use parking_lot::Mutex;
+use std::io::{self, Read, Write};
+use std::net::{Shutdown, TcpStream};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// Payloads up to this size are copied next to their header and written with one syscall:
+/// one packet for small messages instead of two.
+const EAGER_MAX: usize = 64 * 1024;
+
+/// Receives what a peer sends. Implemented by the executor's mailbox.
+pub trait Inbox: Send + Sync {
+    /// Must consume exactly `header.nbytes` bytes from `payload` (or fail).
+    fn deliver(&self, peer: usize, header: &FrameHeader, payload: &mut dyn Read) -> io::Result<()>;
+    /// The link to `peer` ended: `clean` when the peer said Close first.
+    fn link_down(&self, peer: usize, error: io::Error, clean: bool);
+}
+
+/// Memory the sender thread reads from. The submitter keeps it alive until `done` is called.
+pub struct SendBuf {
+    pub ptr: *const u8,
+    pub len: usize,
+}
+// SAFETY: the executor guarantees the memory outlives the send (it waits for every completion,
+// success or failure, before it returns to the caller).
+unsafe impl Send for SendBuf {}
+
+pub type SendDone = Box<dyn FnOnce(io::Result<()>) + Send>;
+
+pub struct SendReq {
+    pub header: FrameHeader,
+    pub data: SendBuf,
+    pub done: Option<SendDone>,
+}
+
+pub struct PeerLink {
+    pub peer: usize,
+    pub addr: String,
+    stream: TcpStream,
+    queue: Sender<SendReq>,
+    urgent: Sender<SendReq>,
+    /// Nanoseconds since `epoch_start` when the last byte arrived from this peer.
+    last_rx: Arc<AtomicU64>,
+    epoch_start: Instant,
+    closing: Arc<AtomicBool>,
+    threads: Mutex<Vec<JoinHandle<()>>>,
+}
+
+impl PeerLink {
+    pub fn start(
+        peer: usize,
+        addr: String,
+        stream: TcpStream,
+        inbox: Arc<dyn Inbox>,
+        heartbeat: Duration,
+    ) -> io::Result<Arc<PeerLink>> {
+        let (queue, queue_rx) = crossbeam_channel::unbounded();
+        let (urgent, urgent_rx) = crossbeam_channel::unbounded();
+        let epoch_start = Instant::now();
+        let last_rx = Arc::new(AtomicU64::new(0));
+        let closing = Arc::new(AtomicBool::new(false));
+        let link = Arc::new(PeerLink {
+            peer,
+            addr,
+            stream: stream.try_clone()?,
+            queue,
+            urgent,
+            last_rx: last_rx.clone(),
+            epoch_start,
+            closing: closing.clone(),
+            threads: Mutex::new(Vec::new()),
+        });
+        let writer = stream.try_clone()?;
+        let send_closing = closing.clone();
+        let sender = std::thread::Builder::new()
+            .name(format!("plait-send-{peer}"))
+            .spawn(move || send_loop(writer, queue_rx, urgent_rx, heartbeat, send_closing))?;
+        let reader = stream;
+        let recv_closing = closing;
+        let receiver = std::thread::Builder::new()
+            .name(format!("plait-recv-{peer}"))
+            .spawn(move || recv_loop(peer, reader, inbox, last_rx, epoch_start, recv_closing))?;
+        link.threads.lock().extend([sender, receiver]);
+        Ok(link)
+    }
+
+    /// Queues a frame. `done` runs on the sender thread once it is written (or failed).
+    pub fn send(&self, req: SendReq) {
+        if let Err(e) = self.queue.send(req) {
+            if let Some(done) = e.into_inner().done {
+                done(Err(io::Error::new(io::ErrorKind::BrokenPipe, "link is closed")));
+            }
+        }
+    }
+
+    /// Sends a control frame (Abort, Close) ahead of queued data, at the next frame boundary.
+    pub fn send_urgent(&self, kind: FrameKind, payload: Vec<u8>, done: Option<SendDone>) {
+        let header = FrameHeader { kind: kind as u8, nbytes: payload.len() as u64, ..Default::default() };
+        let data = SendBuf { ptr: payload.as_ptr(), len: payload.len() };
+        // The payload must live until written: leak it into the closure, which frees it.
+        let done: SendDone = Box::new(move |r| {
+            drop(payload);
+            if let Some(d) = done {
+                d(r)
+            }
+        });
+        let _ = self.urgent.send(SendReq { header, data, done: Some(done) });
+    }
+
+    /// Time since anything (data or heartbeat) arrived from this peer.
+    pub fn silent_for(&self) -> Duration {
+        let now = self.epoch_start.elapsed();
+        now.saturating_sub(Duration::from_nanos(self.last_rx.load(Ordering::Relaxed)))
+    }
+
+    /// Ends both directions now: blocked reads and writes return at once.
+    pub fn shutdown(&self) {
+        self.closing.store(true, Ordering::SeqCst);
+        let _ = self.stream.shutdown(Shutdown::Both);
+    }
+
+    /// Shuts the socket down and joins both threads.
+    pub fn join(&self) {
+        self.shutdown();
+        // Closing the queues lets the sender thread exit even when it is idle.
+        let threads: Vec<_> = self.threads.lock().drain(..).collect();
+        for t in threads {
+            let _ = t.join();
+        }
+    }
+}
+
+fn send_loop(
+    mut w: TcpStream,
+    queue: Receiver<SendReq>,
+    urgent: Receiver<SendReq>,
+    heartbeat: Duration,
+    closing: Arc<AtomicBool>,
+) {
+    let mut last_tx = Instant::now();
+    let mut scratch: Vec<u8> = Vec::with_capacity(HEADER_LEN + EAGER_MAX);
+    let mut failed: Option<io::ErrorKind> = None;
+    loop {
+        if closing.load(Ordering::SeqCst) {
+            // Every submitter must hear back, even after shutdown.
+            for req in urgent.try_iter().chain(queue.try_iter()) {
+                if let Some(done) = req.done {
+                    done(Err(io::Error::new(io::ErrorKind::BrokenPipe, "link is shut down")));
+                }
+            }
+            return;
+        }
+        let req = match urgent.try_recv() {
+            Ok(r) => r,
+            Err(_) => {
+                let wait = heartbeat
+                    .saturating_sub(last_tx.elapsed())
+                    .clamp(Duration::from_millis(1), Duration::from_millis(50));
+                crossbeam_channel::select! {
+                    recv(urgent) -> r => match r { Ok(r) => r, Err(_) => return },
+                    recv(queue) -> r => match r { Ok(r) => r, Err(_) => return },
+                    default(wait) => {
+                        if failed.is_none() && last_tx.elapsed() >= heartbeat {
+                            let hb = FrameHeader { kind: FrameKind::Heartbeat as u8, ..Default::default() };
+                            if w.write_all(&hb.encode()).is_err() {
+                                failed = Some(io::ErrorKind::BrokenPipe);
+                            }
+                            last_tx = Instant::now();
+                        }
+                        continue;
+                    }
+                }
+            }
+        };
+        let result = match failed {
+            Some(kind) => Err(io::Error::new(kind, "link failed earlier")),
+            None => write_frame(&mut w, &req, &mut scratch),
+        };
+        if let Err(e) = &result {
+            failed.get_or_insert(e.kind());
+        }
+        last_tx = Instant::now();
+        if let Some(done) = req.done {
+            done(result);
+        }
+    }
+}
+
+fn write_frame(w: &mut TcpStream, req: &SendReq, scratch: &mut Vec<u8>) -> io::Result<()> {
+    let header = req.header.encode();
+    // SAFETY: see SendBuf.
+    let payload = unsafe { std::slice::from_raw_parts(req.data.ptr, req.data.len) };
+    if payload.len() <= EAGER_MAX {
+        scratch.clear();
+        scratch.extend_from_slice(&header);
+        scratch.extend_from_slice(payload);
+        w.write_all(scratch)
+    } else {
+        w.write_all(&header)?;
+        w.write_all(payload)
+    }
+}
+
+fn recv_loop(
+    peer: usize,
+    mut r: TcpStream,
+    inbox: Arc<dyn Inbox>,
+    last_rx: Arc<AtomicU64>,
+    epoch_start: Instant,
+    closing: Arc<AtomicBool>,
+) {
+    let mut clean = false;
+    let err = loop {
+        let header = match FrameHeader::read_from(&mut r) {
+            Ok(h) => h,
+            Err(e) => break e,
+        };
+        last_rx.store(epoch_start.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        match FrameKind::from_u8(header.kind) {
+            Some(FrameKind::Heartbeat) => continue,
+            Some(FrameKind::Close) => clean = true,
+            _ => {}
+        }
+        let mut payload = CountingReader { inner: &mut r, left: header.nbytes, last_rx: &last_rx, epoch_start };
+        if let Err(e) = inbox.deliver(peer, &header, &mut payload) {
+            break e;
+        }
+        if payload.left != 0 {
+            // The inbox did not consume the payload: the stream would be out of sync.
+            break io::Error::new(io::ErrorKind::InvalidData, "frame payload not consumed");
+        }
+    };
+    if closing.load(Ordering::SeqCst) {
+        return;
+    }
+    inbox.link_down(peer, err, clean);
+}
+
+/// Reads at most the frame's payload, refreshing the liveness clock as bytes arrive.
+struct CountingReader<'a> {
+    inner: &'a mut TcpStream,
+    left: u64,
+    last_rx: &'a AtomicU64,
+    epoch_start: Instant,
+}
+
+impl Read for CountingReader<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        if self.left == 0 {
+            return Ok(0);
+        }
+        let max = buf.len().min(self.left as usize);
+        let n = self.inner.read(&mut buf[..max])?;
+        if n == 0 {
+            return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "peer closed mid-frame"));
+        }
+        self.left -= n as u64;
+        self.last_rx.store(self.epoch_start.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        Ok(n)
+    }
+}

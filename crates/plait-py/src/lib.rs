@@ -1,0 +1,345 @@
+//! `plait._core`: thin PyO3 bindings over plait-core. No logic lives here; every blocking call
+//! releases the GIL.
+
+use plait_core::exec::RawBuf;
+use plait_core::group::{CollRequest, CommConfig, Communicator, Work};
+use plait_core::sched::{gen, Collective};
+use plait_core::store::Store;
+use plait_core::{DType, PlaitError, ReduceOp};
+use pyo3::prelude::*;
+use pyo3::sync::GILOnceCell;
+use pyo3::types::{PyBytes, PyDict, PyType};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Exception classes, defined in Python so that they can inherit from two bases
+/// (`PlaitTimeoutError` is also a `TimeoutError`, `InvalidArgumentError` also a `ValueError`).
+const EXCEPTIONS: &str = r#"
+class PlaitError(Exception):
+    """Base class of every error plait raises."""
+class PeerError(PlaitError):
+    """A peer died, closed or reset its link, or reported its own failure."""
+class PlaitTimeoutError(PlaitError, TimeoutError):
+    """An operation passed its deadline."""
+class AbortedError(PlaitError):
+    """abort() was called while the operation was in flight."""
+class MismatchError(PlaitError):
+    """Ranks called different collectives, counts, dtypes, ops, roots or algorithms."""
+class BrokenError(PlaitError):
+    """The communicator failed or was closed earlier; build a new one (a new epoch)."""
+class RendezvousError(PlaitError):
+    """The ranks could not meet or connect."""
+class ConfigError(PlaitError, ValueError):
+    """A bad setting (unknown algorithm, malformed environment variable)."""
+class InvalidArgumentError(PlaitError, ValueError):
+    """A bad argument, detected before anything was sent."""
+"#;
+
+static EXC: GILOnceCell<Py<PyDict>> = GILOnceCell::new();
+
+fn exc_class<'py>(py: Python<'py>, name: &str) -> Bound<'py, PyType> {
+    let d = EXC.get(py).expect("module initialised").bind(py);
+    d.get_item(name).ok().flatten().expect("exception class").downcast_into::<PyType>().expect("a class")
+}
+
+fn to_py(err: PlaitError) -> PyErr {
+    Python::with_gil(|py| {
+        let name = match err {
+            PlaitError::InvalidArgument(_) => "InvalidArgumentError",
+            PlaitError::Config(_) => "ConfigError",
+            PlaitError::Peer { .. } | PlaitError::Io(_) => "PeerError",
+            PlaitError::Timeout { .. } => "PlaitTimeoutError",
+            PlaitError::Mismatch { .. } => "MismatchError",
+            PlaitError::Aborted { .. } => "AbortedError",
+            PlaitError::Broken(_) => "BrokenError",
+            PlaitError::Rendezvous(_) => "RendezvousError",
+        };
+        PyErr::from_type(exc_class(py, name), err.to_string())
+    })
+}
+
+fn invalid(msg: String) -> PyErr {
+    to_py(PlaitError::InvalidArgument(msg))
+}
+
+/// Any Python object with `set(key, bytes)`, `get(key) -> bytes` and `wait([key], timedelta)`,
+/// such as torch's TCPStore or PrefixStore.
+struct PyStore(PyObject);
+
+impl Store for PyStore {
+    fn set(&self, key: &str, value: &[u8]) -> plait_core::Result<()> {
+        Python::with_gil(|py| {
+            self.0.call_method1(py, "set", (key, PyBytes::new(py, value))).map(|_| ())
+        })
+        .map_err(|e| PlaitError::Rendezvous(format!("store.set({key:?}) failed: {e}")))
+    }
+
+    fn get(&self, key: &str, timeout: Duration) -> plait_core::Result<Vec<u8>> {
+        Python::with_gil(|py| -> PyResult<Vec<u8>> {
+            let td = py.import("datetime")?.getattr("timedelta")?.call1((0, timeout.as_secs_f64().max(0.001)))?;
+            self.0.call_method1(py, "wait", (vec![key], td))?;
+            let v = self.0.call_method1(py, "get", (key,))?;
+            v.extract::<Vec<u8>>(py)
+        })
+        .map_err(|e| PlaitError::Rendezvous(format!("store.get({key:?}) failed: {e}")))
+    }
+}
+
+fn secs(t: Option<f64>) -> PyResult<Option<Duration>> {
+    match t {
+        None => Ok(None),
+        Some(s) if s > 0.0 && s.is_finite() => Ok(Some(Duration::from_secs_f64(s))),
+        Some(s) => Err(invalid(format!("timeout must be a positive number of seconds, got {s}"))),
+    }
+}
+
+fn dtype(name: &str) -> PyResult<DType> {
+    DType::from_name(name).ok_or_else(|| invalid(format!("unknown dtype {name:?}; plait supports f16, bf16, f32, f64, i8, u8, i16, i32, i64, bool")))
+}
+
+fn collective(name: &str) -> PyResult<Collective> {
+    Collective::from_name(name).ok_or_else(|| {
+        let all: Vec<_> = Collective::ALL.iter().map(|c| c.name()).collect();
+        invalid(format!("unknown collective {name:?}; one of {}", all.join(", ")))
+    })
+}
+
+fn buf(ptr: usize, nbytes: usize) -> RawBuf {
+    RawBuf { ptr: ptr as *mut u8, len: nbytes }
+}
+
+#[pyclass(name = "Work", module = "plait._core")]
+struct PyWork {
+    work: Work,
+}
+
+#[pymethods]
+impl PyWork {
+    /// Blocks (without the GIL) until the operation completes; True when done, False when
+    /// `timeout` seconds passed first. Raises the operation's error.
+    #[pyo3(signature = (timeout=None))]
+    fn wait(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<bool> {
+        let t = secs(timeout)?;
+        let work = self.work.clone();
+        match py.allow_threads(move || work.wait(t)) {
+            None => Ok(false),
+            Some(Ok(_)) => Ok(true),
+            Some(Err(e)) => Err(to_py(e)),
+        }
+    }
+
+    fn is_completed(&self) -> bool {
+        self.work.is_completed()
+    }
+
+    /// For a receive: the rank the message came from (-1 while not complete).
+    fn source(&self) -> i64 {
+        match self.work.wait(Some(Duration::ZERO)) {
+            Some(Ok(s)) => s as i64,
+            _ => -1,
+        }
+    }
+}
+
+#[pyclass(name = "Comm", module = "plait._core")]
+struct PyComm {
+    comm: Arc<Communicator>,
+}
+
+impl PyComm {
+    fn work(&self, r: plait_core::Result<Work>) -> PyResult<PyWork> {
+        r.map(|work| PyWork { work }).map_err(to_py)
+    }
+}
+
+#[pymethods]
+impl PyComm {
+    #[new]
+    #[pyo3(signature = (store, rank, size, *, timeout=None, group="default".to_string(), epoch=0, algo=None))]
+    fn new(py: Python<'_>, store: PyObject, rank: usize, size: usize, timeout: Option<f64>, group: String, epoch: u64, algo: Option<String>) -> PyResult<Self> {
+        let mut cfg = CommConfig::from_env(rank, size).map_err(to_py)?;
+        if let Some(t) = secs(timeout)? {
+            cfg.timeout = t;
+        }
+        cfg.group = group;
+        cfg.epoch = epoch;
+        if algo.is_some() {
+            cfg.algo = algo;
+        }
+        let store = PyStore(store);
+        let comm = py.allow_threads(move || Communicator::new(&store, cfg)).map_err(to_py)?;
+        Ok(PyComm { comm })
+    }
+
+    #[getter]
+    fn rank(&self) -> usize {
+        self.comm.rank()
+    }
+    #[getter]
+    fn size(&self) -> usize {
+        self.comm.size()
+    }
+    #[getter]
+    fn epoch(&self) -> u64 {
+        self.comm.config().epoch
+    }
+    #[getter]
+    fn group(&self) -> String {
+        self.comm.config().group.clone()
+    }
+    #[getter]
+    fn timeout(&self) -> f64 {
+        self.comm.config().timeout.as_secs_f64()
+    }
+
+    /// Starts a collective over raw host memory. `inline=True` runs it on this thread (GIL
+    /// released) and returns a completed Work; otherwise it runs in the background.
+    #[pyo3(signature = (coll, send_ptr, send_nbytes, recv_ptr, recv_nbytes, dtype, op="sum", *, factor=None, root=0, send_counts=None, recv_counts=None, timeout=None, algo=None, inline=false))]
+    #[allow(clippy::too_many_arguments)]
+    fn collective(
+        &self,
+        py: Python<'_>,
+        coll: &str,
+        send_ptr: usize,
+        send_nbytes: usize,
+        recv_ptr: usize,
+        recv_nbytes: usize,
+        dtype: &str,
+        op: &str,
+        factor: Option<f64>,
+        root: usize,
+        send_counts: Option<Vec<usize>>,
+        recv_counts: Option<Vec<usize>>,
+        timeout: Option<f64>,
+        algo: Option<String>,
+        inline: bool,
+    ) -> PyResult<PyWork> {
+        let coll = collective(coll)?;
+        let dt = self::dtype(dtype)?;
+        let rop = ReduceOp::from_name(op, factor).ok_or_else(|| {
+            if op == "premul_sum" {
+                invalid("op premul_sum needs factor=".to_string())
+            } else {
+                invalid(format!("unknown op {op:?}; one of sum, avg, prod, min, max, band, bor, bxor, premul_sum"))
+            }
+        })?;
+        let req = CollRequest {
+            coll,
+            dtype: dt,
+            op: rop,
+            root,
+            input: buf(send_ptr, send_nbytes),
+            output: buf(recv_ptr, recv_nbytes),
+            send_counts,
+            recv_counts,
+            timeout: secs(timeout)?,
+            algo,
+        };
+        let comm = self.comm.clone();
+        let r = if inline { py.allow_threads(move || comm.collective(req, true)) } else { comm.collective(req, false) };
+        self.work(r)
+    }
+
+    #[pyo3(signature = (ptr, nbytes, dtype, dst, tag=0, *, timeout=None, inline=false))]
+    #[allow(clippy::too_many_arguments)]
+    fn send(&self, py: Python<'_>, ptr: usize, nbytes: usize, dtype: &str, dst: usize, tag: u64, timeout: Option<f64>, inline: bool) -> PyResult<PyWork> {
+        let (dt, t, comm) = (self::dtype(dtype)?, secs(timeout)?, self.comm.clone());
+        let data = buf(ptr, nbytes);
+        let r = py.allow_threads(move || comm.send(data, dt, dst, tag, t, inline));
+        self.work(r)
+    }
+
+    #[pyo3(signature = (ptr, nbytes, dtype, src, tag=0, *, timeout=None, inline=false))]
+    #[allow(clippy::too_many_arguments)]
+    fn recv(&self, py: Python<'_>, ptr: usize, nbytes: usize, dtype: &str, src: i64, tag: u64, timeout: Option<f64>, inline: bool) -> PyResult<PyWork> {
+        let (dt, t, comm) = (self::dtype(dtype)?, secs(timeout)?, self.comm.clone());
+        let src = if src < 0 { None } else { Some(src as usize) };
+        let data = buf(ptr, nbytes);
+        let r = py.allow_threads(move || comm.recv(data, dt, src, tag, t, inline));
+        self.work(r)
+    }
+
+    #[pyo3(signature = (*, timeout=None, inline=false))]
+    fn barrier(&self, py: Python<'_>, timeout: Option<f64>, inline: bool) -> PyResult<PyWork> {
+        let (t, comm) = (secs(timeout)?, self.comm.clone());
+        let r = py.allow_threads(move || comm.barrier(t, inline));
+        self.work(r)
+    }
+
+    #[pyo3(signature = (reason="abort() called".to_string()))]
+    fn abort(&self, py: Python<'_>, reason: String) {
+        let comm = self.comm.clone();
+        py.allow_threads(move || comm.abort(&reason));
+    }
+
+    fn close(&self, py: Python<'_>) {
+        let comm = self.comm.clone();
+        py.allow_threads(move || comm.close());
+    }
+
+    #[pyo3(signature = (coll, nbytes, root=0))]
+    fn algorithm_for(&self, coll: &str, nbytes: usize, root: usize) -> PyResult<String> {
+        self.comm.algorithm_for(collective(coll)?, nbytes, root).map_err(to_py)
+    }
+
+    fn routes<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyDict>>> {
+        self.comm
+            .routes()
+            .iter()
+            .map(|r| {
+                let d = PyDict::new(py);
+                d.set_item("peer", r.peer)?;
+                d.set_item("local", &r.local)?;
+                d.set_item("remote", &r.remote)?;
+                d.set_item("reason", &r.reason)?;
+                Ok(d)
+            })
+            .collect()
+    }
+
+    /// The TCP port this rank listens on for its peers (None in a world of one).
+    fn listen_port(&self) -> Option<u16> {
+        self.comm.listen_port()
+    }
+}
+
+/// The algorithm names `PLAIT_ALGO` accepts for a collective, the default first.
+#[pyfunction]
+fn algorithms(coll: &str) -> PyResult<Vec<String>> {
+    Ok(gen::algorithms(collective(coll)?).iter().map(|s| s.to_string()).collect())
+}
+
+fn init_logging() {
+    if let Ok(level) = std::env::var("PLAIT_DEBUG") {
+        let filter = tracing_subscriber::EnvFilter::try_new(format!("plait_core={}", level.to_lowercase()))
+            .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("plait_core=info"));
+        let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init();
+    } else {
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::new("plait_core=error"))
+            .with_writer(std::io::stderr)
+            .try_init();
+    }
+}
+
+#[pymodule]
+fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    let py = m.py();
+    init_logging();
+    let ns = PyDict::new(py);
+    py.run(&std::ffi::CString::new(EXCEPTIONS).unwrap(), Some(&ns), Some(&ns))?;
+    for name in [
+        "PlaitError", "PeerError", "PlaitTimeoutError", "AbortedError", "MismatchError", "BrokenError",
+        "RendezvousError", "ConfigError", "InvalidArgumentError",
+    ] {
+        let cls = ns.get_item(name)?.expect("defined above");
+        cls.setattr("__module__", "plait")?;
+        m.add(name, cls)?;
+    }
+    let _ = EXC.set(py, ns.unbind());
+    m.add_class::<PyComm>()?;
+    m.add_class::<PyWork>()?;
+    m.add_function(wrap_pyfunction!(algorithms, m)?)?;
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    Ok(())
+}
