@@ -90,7 +90,7 @@ impl fmt::Display for DType {
 }
 
 /// Reduction operators. `Avg` and `PremulSum` reduce as `Sum` and scale the result once at the end
-/// (`kernels::scale`), so every rank applies the same single rounding.
+/// (`kernels::finalize`), so every rank applies the same single rounding.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 pub enum ReduceOp {
     Sum,

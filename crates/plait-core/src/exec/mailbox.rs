@@ -68,6 +68,8 @@ struct Inner {
     /// Next point-to-point ordinal to hand out per (peer, tag).
     p2p_next: HashMap<(usize, u64), u32>,
     broken: Option<PlaitError>,
+    /// Peers that closed normally: receives from them fail once nothing stashed can serve them.
+    closed: HashMap<usize, PlaitError>,
 }
 
 #[derive(Default)]
@@ -97,6 +99,11 @@ impl Mailbox {
             match inner.stashed.remove(&key) {
                 Some(s) => s,
                 None => {
+                    if let Some(err) = inner.closed.get(&key.0).cloned() {
+                        drop(inner);
+                        let _ = p.events.send(Event { token: p.token, result: Err(err), source: key.0 });
+                        return;
+                    }
                     inner.posted.insert(key, p);
                     return;
                 }
@@ -146,8 +153,26 @@ impl Mailbox {
                 let _ = p.events.send(Event { token: p.token, result, source: peer });
             }
             None => {
+                if let Some(err) = inner.closed.get(&peer).cloned() {
+                    drop(inner);
+                    let _ = p.events.send(Event { token: p.token, result: Err(err), source: peer });
+                    return;
+                }
                 inner.posted.insert(key, p);
             }
+        }
+    }
+
+    /// `peer` closed its communicator: what it sent before still counts, nothing more will come.
+    pub fn peer_closed(&self, peer: usize, err: &PlaitError) {
+        let failed: Vec<Posted> = {
+            let mut inner = self.inner.lock();
+            inner.closed.insert(peer, err.clone());
+            let keys: Vec<Key> = inner.posted.keys().filter(|k| k.0 == peer).copied().collect();
+            keys.into_iter().filter_map(|k| inner.posted.remove(&k)).collect()
+        };
+        for p in failed {
+            let _ = p.events.send(Event { token: p.token, result: Err(err.clone()), source: peer });
         }
     }
 

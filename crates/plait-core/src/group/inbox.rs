@@ -79,7 +79,8 @@ impl Inbox for CommInbox {
                     what: "closed its communicator".into(),
                     waited: Duration::ZERO,
                 };
-                self.fail(err, false);
+                // Operations that no longer need this peer go on; those waiting for it fail.
+                self.mailbox.peer_closed(peer, &err);
                 Ok(())
             }
             _ => read_text(payload, 0).map(|_| ()),

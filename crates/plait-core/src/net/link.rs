@@ -86,6 +86,8 @@ struct State {
     ready: HashMap<u32, TcpStream>,
     /// Every rank ever accepted (ready or taken): a second connection from it is refused.
     claimed: HashSet<u32>,
+    /// Ranks whose stream accept_from already handed out.
+    taken: HashSet<u32>,
     /// Clones of sockets mid-handshake, shut down on close so their threads exit at once.
     pending: HashMap<u64, TcpStream>,
     next_pending: u64,
@@ -151,9 +153,11 @@ impl Listener {
                 )));
             }
             if let Some(s) = st.ready.remove(&from) {
+                st.taken.insert(from);
                 return Ok(s);
             }
-            if st.claimed.contains(&from) {
+            // `claimed` alone may mean "handshake still replying": only a handed-out stream is taken.
+            if st.taken.contains(&from) {
                 return Err(PlaitError::invalid(format!("connection from rank {from} was already taken")));
             }
             if Instant::now() >= deadline {
@@ -227,7 +231,7 @@ fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
             Err(e) => {
                 // E.g. EMFILE: keep trying, but do not flood the log.
-                if last_error_log.map_or(true, |t| t.elapsed() > Duration::from_secs(5)) {
+                if last_error_log.is_none_or(|t| t.elapsed() > Duration::from_secs(5)) {
                     tracing::warn!("accept on port {} failed: {e}", listener.local_addr().map(|a| a.port()).unwrap_or(0));
                     last_error_log = Some(Instant::now());
                 }
@@ -272,7 +276,7 @@ fn start_handshake(s: TcpStream, addr: SocketAddr, shared: &Arc<Shared>) {
     let spawned = std::thread::Builder::new()
         .name("plait-handshake".into())
         .spawn(move || {
-            handshake(s, addr, &sh);
+            handshake(s, addr, id, &sh);
             sh.state.lock().pending.remove(&id);
         });
     if let Err(e) = spawned {
@@ -288,7 +292,7 @@ enum HsFail {
     Io(String),
 }
 
-fn handshake(mut s: TcpStream, addr: SocketAddr, shared: &Shared) {
+fn handshake(mut s: TcpStream, addr: SocketAddr, id: u64, shared: &Shared) {
     let deadline = Instant::now() + shared.handshake_timeout;
     let _ = s.set_write_timeout(Some(shared.handshake_timeout.max(Duration::from_millis(1))));
     let hello = match read_hello(&mut s, deadline) {
@@ -321,13 +325,18 @@ fn handshake(mut s: TcpStream, addr: SocketAddr, shared: &Shared) {
         s.set_write_timeout(None)?;
         Ok(())
     });
+    if ready.is_ok() {
+        if let Err(e) = tune_stream(&s) {
+            tracing::warn!(remote = %addr, "cannot tune link socket from rank {}: {e}", hello.from);
+        }
+    }
     let mut st = shared.state.lock();
     match ready {
         Ok(()) if !st.closed => {
-            if let Err(e) = tune_stream(&s) {
-                tracing::warn!(remote = %addr, "cannot tune link socket from rank {}: {e}", hello.from);
-            }
             tracing::debug!(remote = %addr, "accepted rank {} as rank {}", hello.from, shared.expect.to);
+            // Leave `pending` in the same critical section, or a close() right after the owner
+            // took the stream would shut down the owner's link.
+            st.pending.remove(&id);
             st.refused_rank.remove(&hello.from);
             st.ready.insert(hello.from, s);
             drop(st);
@@ -347,7 +356,8 @@ fn refuse(mut s: TcpStream, addr: SocketAddr, from: Option<u32>, why: String, sh
     tracing::warn!(remote = %addr, "refused connection: {why}");
     {
         let mut st = shared.state.lock();
-        if let Some(r) = from {
+        // Only in-range ranks, so garbage cannot grow the map.
+        if let Some(r) = from.filter(|&r| r < shared.expect.world) {
             st.refused_rank.insert(r, why.clone());
         }
         st.last_refusal = Some(format!("{addr}: {why}"));
@@ -820,6 +830,24 @@ mod tests {
         assert_eq!(e.kind(), "timeout", "{e}");
         let m = e.to_string();
         assert!(m.contains("rank 0") && m.contains(&format!("127.0.0.1:{p}")) && m.contains("refused"), "{m}");
+    }
+
+    #[test]
+    fn streams_taken_before_close_survive_it() {
+        for _ in 0..20 {
+            let l = Listener::bind(hello("g", 1, 0, 0, 2)).unwrap();
+            let p = l.port();
+            let c = std::thread::spawn(move || connect(&lo_route(), p, &hello("g", 1, 1, 0, 2), soon(3000)).unwrap());
+            let mut s = l.accept_from(1, soon(3000)).unwrap();
+            drop(l);
+            let mut c = c.join().unwrap();
+            c.write_all(b"ok").unwrap();
+            let mut b = [0u8; 2];
+            s.read_exact(&mut b).unwrap();
+            s.write_all(&b).unwrap();
+            c.read_exact(&mut b).unwrap();
+            assert_eq!(&b, b"ok");
+        }
     }
 
     #[test]

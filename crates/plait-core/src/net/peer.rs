@@ -5,7 +5,7 @@
 //! blocked write to one slow peer must never stall another.
 
 use super::frame::{FrameHeader, FrameKind, HEADER_LEN};
-use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
+use crossbeam_channel::{Receiver, Sender};
 use parking_lot::Mutex;
 use std::io::{self, Read, Write};
 use std::net::{Shutdown, TcpStream};

@@ -43,7 +43,7 @@ pub fn candidate_routes(
     iface_filter: Option<&IfaceFilter>,
 ) -> Vec<Route> {
     let mut out: Vec<Route> = Vec::new();
-    let allowed = |a: &IfaceAddr| iface_filter.map_or(true, |f| f.allows(a));
+    let allowed = |a: &IfaceAddr| iface_filter.is_none_or(|f| f.allows(a));
 
     if same_host {
         let lo_ip = IpAddr::V4(Ipv4Addr::LOCALHOST);

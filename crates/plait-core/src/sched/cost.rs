@@ -28,8 +28,7 @@
 //! faster than n-1 sequential steps, which is not what loopback or a LAN shows.
 //! Local copies are not charged (memory bandwidth is far above network bandwidth).
 
-use super::{Schedule, Step};
-use std::collections::BTreeMap;
+use super::{ChunkRef, LocalOp, Schedule};
 
 /// Fraction of `alpha` that is per-message overhead and serialises across a rank's messages.
 pub const OVERHEAD_SHARE: f64 = 0.125;
@@ -53,93 +52,184 @@ impl Default for LinkModel {
     }
 }
 
-/// Bytes one rank moves, per peer and direction, plus bytes it reduces.
-#[derive(Default)]
-struct Traffic {
-    sent: BTreeMap<u32, f64>,
-    received: BTreeMap<u32, f64>,
-    reduced: f64,
+/// Per-peer byte counters that reset in O(touched) instead of O(n), so that estimating a
+/// schedule costs O(operations) whatever the world size.
+struct PeerBytes {
+    bytes: Vec<f64>,
+    seen: Vec<bool>,
+    touched: Vec<usize>,
 }
 
-impl Traffic {
+impl PeerBytes {
+    fn new(n: usize) -> Self {
+        PeerBytes { bytes: vec![0.0; n], seen: vec![false; n], touched: Vec::new() }
+    }
+
+    fn add(&mut self, peer: usize, b: f64) {
+        if peer < self.bytes.len() {
+            if !self.seen[peer] {
+                self.seen[peer] = true;
+                self.touched.push(peer);
+            }
+            self.bytes[peer] += b;
+        }
+    }
+
     fn peers(&self) -> usize {
-        self.sent.len().max(self.received.len())
+        self.touched.len()
     }
 
-    fn wire_seconds(&self, model: &LinkModel) -> f64 {
-        let bytes = if model.shared {
-            self.sent.values().sum::<f64>().max(self.received.values().sum())
-        } else {
-            self.sent.values().chain(self.received.values()).fold(0.0, |a, &b| a.max(b))
-        };
-        bytes / model.bandwidth
+    fn sum(&self) -> f64 {
+        self.touched.iter().map(|&p| self.bytes[p]).sum()
     }
 
-    fn add(&mut self, other: &Traffic) {
-        for (p, b) in &other.sent {
-            *self.sent.entry(*p).or_default() += b;
-        }
-        for (p, b) in &other.received {
-            *self.received.entry(*p).or_default() += b;
-        }
-        self.reduced += other.reduced;
+    fn max(&self) -> f64 {
+        self.touched.iter().map(|&p| self.bytes[p]).fold(0.0, f64::max)
     }
+
+    fn clear(&mut self) {
+        for &p in &self.touched {
+            self.bytes[p] = 0.0;
+            self.seen[p] = false;
+        }
+        self.touched.clear();
+    }
+}
+
+fn wire_seconds(sent: &PeerBytes, received: &PeerBytes, model: &LinkModel) -> f64 {
+    let bytes = if model.shared {
+        sent.sum().max(received.sum())
+    } else {
+        sent.max().max(received.max())
+    };
+    bytes / model.bandwidth
 }
 
 /// Estimated seconds to run `s` with block sizes `block_bytes` (missing entries count as 0).
 pub fn estimate(s: &Schedule, block_bytes: &[usize], model: &LinkModel, segment_bytes: usize) -> f64 {
     let n = s.nranks;
-    let size = |r: usize, c: &super::ChunkRef| {
+    let size = |r: usize, c: &ChunkRef| {
         block_bytes.get(c.block(s.collective, n, r, s.root)).copied().unwrap_or(0) as f64
     };
     let max_block = block_bytes.iter().copied().max().unwrap_or(0);
     let segs = if segment_bytes == 0 { 1 } else { max_block.div_ceil(segment_bytes).max(1) } as f64;
 
-    let mut totals: Vec<Traffic> = (0..n).map(|_| Traffic::default()).collect();
-    let mut messages = vec![0usize; n];
-    let (mut pipe_sum, mut pipe_max) = (0.0f64, 0.0f64);
-    let empty = Step::default();
-    for k in 0..s.nsteps() {
-        let mut step_time = 0.0f64;
-        for r in 0..n {
-            let st = s.ranks.get(r).and_then(|p| p.get(k)).unwrap_or(&empty);
-            let mut t = Traffic::default();
+    let nsteps = s.nsteps();
+    let mut step_time = vec![0.0f64; nsteps];
+    let mut t_res = 0.0f64;
+    let (mut sent, mut received) = (PeerBytes::new(n), PeerBytes::new(n));
+    let (mut total_sent, mut total_received) = (PeerBytes::new(n), PeerBytes::new(n));
+    for (r, prog) in s.ranks.iter().enumerate() {
+        let (mut messages, mut reduced_total) = (0usize, 0.0f64);
+        for (k, st) in prog.iter().enumerate().take(nsteps) {
+            let mut reduced = 0.0;
             for op in &st.sends {
-                *t.sent.entry(op.peer).or_default() += size(r, &op.src);
+                let b = size(r, &op.src);
+                sent.add(op.peer as usize, b);
+                total_sent.add(op.peer as usize, b);
             }
             for op in &st.recvs {
                 let b = size(r, &op.dst);
-                *t.received.entry(op.peer).or_default() += b;
+                received.add(op.peer as usize, b);
+                total_received.add(op.peer as usize, b);
                 if op.reduce_with.is_some() {
-                    t.reduced += b;
+                    reduced += b;
                 }
             }
             for op in &st.locals {
-                if let super::LocalOp::Reduce { dst, .. } = op {
-                    t.reduced += size(r, dst);
+                if let LocalOp::Reduce { dst, .. } = op {
+                    reduced += size(r, dst);
                 }
             }
-            let m = t.peers();
+            let m = sent.peers().max(received.peers());
             let lat = if m == 0 {
                 0.0
             } else {
                 model.alpha * (1.0 - OVERHEAD_SHARE + OVERHEAD_SHARE * m as f64)
             };
-            let work = t.wire_seconds(model) + t.reduced * model.gamma;
-            step_time = step_time.max(lat + work / segs);
-            messages[r] += m;
-            totals[r].add(&t);
+            let work = wire_seconds(&sent, &received, model) + reduced * model.gamma;
+            step_time[k] = step_time[k].max(lat + work / segs);
+            messages += m;
+            reduced_total += reduced;
+            sent.clear();
+            received.clear();
         }
-        pipe_sum += step_time;
-        pipe_max = pipe_max.max(step_time);
+        let busy = segs * model.alpha * OVERHEAD_SHARE * messages as f64
+            + wire_seconds(&total_sent, &total_received, model)
+            + reduced_total * model.gamma;
+        t_res = t_res.max(busy);
+        total_sent.clear();
+        total_received.clear();
     }
-    let t_pipe = pipe_sum + (segs - 1.0) * pipe_max;
-    let t_res = (0..n)
-        .map(|r| {
-            segs * model.alpha * OVERHEAD_SHARE * messages[r] as f64
-                + totals[r].wire_seconds(model)
-                + totals[r].reduced * model.gamma
-        })
-        .fold(0.0, f64::max);
+    let pipe_max = step_time.iter().copied().fold(0.0, f64::max);
+    let t_pipe = step_time.iter().sum::<f64>() + (segs - 1.0) * pipe_max;
     t_pipe.max(t_res)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sched::gen::{algorithms, generate};
+    use crate::sched::Collective;
+
+    const MIB: usize = 1 << 20;
+
+    fn costs(coll: Collective, n: usize, total: usize, model: &LinkModel, seg: usize) -> Vec<(&'static str, f64)> {
+        let blocks = vec![total / n; n];
+        algorithms(coll)
+            .iter()
+            .map(|&a| (a, estimate(&generate(coll, a, n, 0).unwrap(), &blocks, model, seg)))
+            .collect()
+    }
+
+    fn cheapest(c: &[(&'static str, f64)]) -> &'static str {
+        c.iter().min_by(|a, b| a.1.total_cmp(&b.1)).unwrap().0
+    }
+
+    fn of(c: &[(&'static str, f64)], name: &str) -> f64 {
+        c.iter().find(|x| x.0 == name).unwrap().1
+    }
+
+    #[test]
+    fn small_allreduce_prefers_oneshot() {
+        let c = costs(Collective::AllReduce, 8, 8, &LinkModel::default(), MIB);
+        assert_eq!(cheapest(&c), "oneshot", "{c:?}");
+    }
+
+    #[test]
+    fn large_allreduce_avoids_oneshot() {
+        for seg in [0, MIB, 4 * MIB] {
+            let c = costs(Collective::AllReduce, 8, 64 * MIB, &LinkModel::default(), seg);
+            assert!(of(&c, "ring") < of(&c, "oneshot"), "{c:?}");
+            assert!(of(&c, "direct") < of(&c, "oneshot"), "{c:?}");
+        }
+        // Full mesh: direct uses every link at once.
+        let mesh = LinkModel { shared: false, ..LinkModel::default() };
+        let c = costs(Collective::AllReduce, 8, 64 * MIB, &mesh, MIB);
+        assert!(of(&c, "direct") < of(&c, "ring"), "{c:?}");
+        assert!(of(&c, "ring2") < of(&c, "ring"), "{c:?}");
+    }
+
+    #[test]
+    fn pipelined_chain_beats_binomial_for_large_broadcast() {
+        let c = costs(Collective::Broadcast, 8, 256 * MIB, &LinkModel::default(), MIB);
+        assert!(of(&c, "chain") < of(&c, "binomial"), "{c:?}");
+        let c = costs(Collective::Broadcast, 8, 64, &LinkModel::default(), MIB);
+        assert!(of(&c, "binomial") < of(&c, "chain"), "{c:?}");
+    }
+
+    #[test]
+    fn grows_with_bytes() {
+        for coll in Collective::ALL {
+            for &a in algorithms(coll) {
+                let s = generate(coll, a, 6, 2).unwrap();
+                let mut last = 0.0;
+                for total in [0, 6, 6 << 10, 6 << 20, 6 << 26] {
+                    let t = estimate(&s, &[total / 6; 6], &LinkModel::default(), MIB);
+                    assert!(t > last || (total == 0 && t >= 0.0), "{coll} {a}: {t} after {last}");
+                    last = t;
+                }
+            }
+        }
+    }
 }

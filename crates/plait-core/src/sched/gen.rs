@@ -567,3 +567,60 @@ fn alltoall_pairwise(b: &mut Builder) {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sched::verify::verify;
+
+    fn roots(n: usize) -> Vec<usize> {
+        let mut r = vec![0, n - 1, n / 2];
+        r.sort();
+        r.dedup();
+        r
+    }
+
+    #[test]
+    fn every_generator_verifies() {
+        for coll in Collective::ALL {
+            for &algo in algorithms(coll) {
+                for n in 1..=16 {
+                    let rs = if coll.rooted() { roots(n) } else { vec![0] };
+                    for root in rs {
+                        let s = generate(coll, algo, n, root).unwrap();
+                        assert_eq!((s.collective, s.nranks, s.root), (coll, n, root));
+                        if let Err(e) = verify(&s) {
+                            panic!("{coll} {algo} n={n} root={root}: {e}");
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn step_counts() {
+        let steps = |coll, algo, n| generate(coll, algo, n, 0).unwrap().nsteps();
+        for n in 2..=16usize {
+            let p = 1 << (usize::BITS - 1 - n.leading_zeros());
+            let fold = if n > p { 2 } else { 0 };
+            assert_eq!(steps(Collective::AllReduce, "ring", n), 2 * (n - 1));
+            assert_eq!(steps(Collective::AllReduce, "ring2", n), 2 * (n / 2));
+            assert_eq!(steps(Collective::AllReduce, "rhd", n), 2 * p.trailing_zeros() as usize + fold);
+            assert_eq!(steps(Collective::AllReduce, "oneshot", n), 1);
+            assert_eq!(steps(Collective::Broadcast, "binomial", n), n.next_power_of_two().trailing_zeros() as usize);
+            assert_eq!(steps(Collective::AllToAll, "pairwise", n), n - 1);
+        }
+    }
+
+    #[test]
+    fn non_rooted_ignore_root_and_bad_args_fail() {
+        assert_eq!(generate(Collective::AllReduce, "ring", 4, 3).unwrap().root, 0);
+        assert!(generate(Collective::Broadcast, "chain", 4, 4).is_err());
+        assert!(generate(Collective::Broadcast, "chain", 0, 0).is_err());
+        let e = generate(Collective::AllGather, "rhd", 4, 0).unwrap_err();
+        assert!(matches!(e, PlaitError::Config(_)));
+        let msg = e.to_string();
+        assert!(msg.contains("allgather") && msg.contains("'rhd'") && msg.contains("ring, direct"), "{msg}");
+    }
+}

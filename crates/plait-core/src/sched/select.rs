@@ -165,3 +165,62 @@ impl Selector {
             .filter(move |a| !(*a == "oneshot" && n > ONESHOT_MAX_AUTO_RANKS))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parse_spec() {
+        assert!(parse_algo_spec("").unwrap().is_empty());
+        assert!(parse_algo_spec(" , ").unwrap().is_empty());
+        let m = parse_algo_spec("allreduce:ring, allgather:direct").unwrap();
+        assert_eq!(m.len(), 2);
+        assert_eq!(m[&Collective::AllReduce], "ring");
+        assert_eq!(m[&Collective::AllGather], "direct");
+        let e = parse_algo_spec("allreduce:nope").unwrap_err().to_string();
+        assert!(e.contains("'nope'") && e.contains("ring, direct, oneshot, rhd, ring2"), "{e}");
+        let e = parse_algo_spec("allredux:ring").unwrap_err().to_string();
+        assert!(e.contains("'allredux'") && e.contains("reduce_scatter"), "{e}");
+        assert!(matches!(parse_algo_spec("allreduce"), Err(PlaitError::Config(_))));
+    }
+
+    #[test]
+    fn overrides_and_cache() {
+        let env = parse_algo_spec("allreduce:direct").unwrap();
+        let sel = Selector::new(env, LinkModel::default(), 1 << 20);
+        let blocks = [1usize; 4];
+        let s = sel.choose(Collective::AllReduce, 4, 0, &blocks, None).unwrap();
+        assert_eq!(s.name, "direct");
+        let s = sel.choose(Collective::AllReduce, 4, 0, &blocks, Some("rhd")).unwrap();
+        assert_eq!(s.name, "rhd");
+        assert!(sel.choose(Collective::AllReduce, 4, 0, &blocks, Some("bogus")).is_err());
+        let a = sel.choose(Collective::Broadcast, 4, 1, &blocks, Some("chain")).unwrap();
+        let b = sel.choose(Collective::Broadcast, 4, 1, &blocks, Some("chain")).unwrap();
+        assert!(Arc::ptr_eq(&a, &b));
+        assert_eq!(a.root, 1);
+    }
+
+    #[test]
+    fn automatic_choice_is_cheapest_and_stable() {
+        let sel = Selector::new(HashMap::new(), LinkModel::default(), 1 << 20);
+        let small = [1usize; 8];
+        let s = sel.choose(Collective::AllReduce, 8, 0, &small, None).unwrap();
+        assert_eq!(s.name, "oneshot");
+        let again = sel.choose(Collective::AllReduce, 8, 0, &small, None).unwrap();
+        assert!(Arc::ptr_eq(&s, &again));
+        let big = [8usize << 20; 8];
+        let s = sel.choose(Collective::AllReduce, 8, 0, &big, None).unwrap();
+        let c = sel.candidates(Collective::AllReduce, 8, 0, &big);
+        assert_eq!(c.len(), algorithms(Collective::AllReduce).len());
+        let min = c.iter().map(|x| x.1).fold(f64::INFINITY, f64::min);
+        assert_eq!(c.iter().find(|x| x.0 == s.name).unwrap().1, min);
+        assert_ne!(s.name, "oneshot");
+        // A fresh selector (another rank) makes the same choice.
+        let other = Selector::new(HashMap::new(), LinkModel::default(), 1 << 20);
+        assert_eq!(other.choose(Collective::AllReduce, 8, 0, &big, None).unwrap().name, s.name);
+        let many = sel.candidates(Collective::AllReduce, ONESHOT_MAX_AUTO_RANKS + 1, 0, &[4; 33]);
+        assert!(many.iter().all(|x| x.0 != "oneshot"));
+    }
+}
+

@@ -8,7 +8,7 @@
 
 use super::{Buf, ChunkRef, Collective, LocalOp, Schedule};
 use crate::error::PlaitError;
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{HashMap, VecDeque};
 use std::fmt::Write as _;
 
 /// Parses a custom (JSON) schedule and verifies it before handing it out.
@@ -391,5 +391,194 @@ fn expected(coll: Collective, n: usize, root: usize, r: usize, i: usize) -> Cont
         Collective::AllGather | Collective::Gather => Content::one(i, i, n),
         Collective::Scatter => Content::one(r, root, n),
         Collective::AllToAll => Content::one(r, i, n),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sched::gen::{algorithms, generate};
+    use crate::sched::{RecvOp, SendOp, Step};
+
+    fn gen(coll: Collective, algo: &str, n: usize) -> Schedule {
+        generate(coll, algo, n, 0).unwrap()
+    }
+
+    fn fails(s: &Schedule, needle: &str) -> String {
+        let e = verify(s).expect_err("broken schedule passed");
+        assert!(e.contains(needle), "expected '{needle}' in: {e}");
+        e
+    }
+
+    #[test]
+    fn dropped_send() {
+        let mut s = gen(Collective::AllReduce, "ring", 4);
+        s.ranks[2][1].sends.clear();
+        let e = fails(&s, "no matching send");
+        assert!(e.contains("rank 3 step 1"), "{e}");
+    }
+
+    #[test]
+    fn dropped_recv() {
+        let mut s = gen(Collective::AllGather, "direct", 3);
+        s.ranks[1][0].recvs.remove(0);
+        fails(&s, "no matching receive");
+    }
+
+    #[test]
+    fn double_count() {
+        let mut s = gen(Collective::AllReduce, "oneshot", 3);
+        let extra = LocalOp::Reduce { src: ChunkRef::input(1), dst: ChunkRef::output(1) };
+        s.ranks[0][0].locals.push(extra);
+        fails(&s, "counted twice");
+    }
+
+    #[test]
+    fn uninitialised_read() {
+        let mut s = gen(Collective::AllGather, "ring", 4);
+        s.ranks[1][0].sends[0].src = ChunkRef::output(1);
+        let e = fails(&s, "uninitialised output[1]");
+        assert!(e.starts_with("out of place: rank 1 step 0"), "{e}");
+    }
+
+    #[test]
+    fn missing_result() {
+        let mut s = gen(Collective::Broadcast, "chain", 3);
+        s.ranks[0][0].locals.clear();
+        fails(&s, "rank 0 after the last step: output[0] holds uninitialised");
+    }
+
+    #[test]
+    fn receive_over_chunk_being_sent() {
+        let mut s = gen(Collective::AllGather, "ring", 3);
+        // Step 1: rank 0 forwards output[2] and receives output[1]; redirect the receive.
+        s.ranks[0][1].recvs[0].dst = ChunkRef::output(2);
+        fails(&s, "while a send of the same step reads output[2]");
+    }
+
+    #[test]
+    fn two_plain_receives_into_one_chunk() {
+        let mut s = gen(Collective::AllGather, "direct", 3);
+        s.ranks[0][0].recvs[1].dst = s.ranks[0][0].recvs[0].dst;
+        fails(&s, "two receives write");
+    }
+
+    #[test]
+    fn reduce_base_written_concurrently() {
+        let mut s = gen(Collective::AllReduce, "direct", 3);
+        // Step 2 receives plain copies; make one reduce with a chunk another one writes.
+        let other = s.ranks[0][2].recvs[1].dst;
+        s.ranks[0][2].recvs[0].reduce_with = Some(other);
+        fails(&s, "reduces with");
+    }
+
+    #[test]
+    fn writes_to_input_and_bad_refs() {
+        let mut s = gen(Collective::AllGather, "direct", 2);
+        s.ranks[0][0].recvs[0].dst = ChunkRef::input(0);
+        fails(&s, "read-only");
+        let mut s = gen(Collective::AllReduce, "ring", 2);
+        s.ranks[0][0].sends[0].src = ChunkRef::input(7);
+        fails(&s, "out of range");
+        let mut s = gen(Collective::AllReduce, "ring", 2);
+        s.ranks[0].pop();
+        fails(&s, "steps");
+    }
+
+    #[test]
+    fn block_size_mismatch() {
+        let mut s = gen(Collective::AllReduce, "direct", 3);
+        s.ranks[1][2].recvs[0].dst = ChunkRef::output(2);
+        s.ranks[1][2].recvs[1].dst = ChunkRef::output(0);
+        fails(&s, "different sizes");
+    }
+
+    /// Correct out of place, wrong in place: the own contribution is overwritten before use.
+    #[test]
+    fn in_place_only_bug() {
+        let n = 2;
+        let mut ranks = vec![vec![Step::default()]; n];
+        for (r, prog) in ranks.iter_mut().enumerate() {
+            let st = &mut prog[0];
+            for j in 0..n as u32 {
+                st.sends.push(SendOp { peer: (1 - r) as u32, src: ChunkRef::input(j) });
+                let tmp = ChunkRef::scratch(0, n, j);
+                st.recvs.push(RecvOp { peer: (1 - r) as u32, dst: tmp, reduce_with: None });
+                st.locals.push(LocalOp::Copy { src: tmp, dst: ChunkRef::output(j) });
+                st.locals.push(LocalOp::Reduce { src: ChunkRef::input(j), dst: ChunkRef::output(j) });
+            }
+        }
+        let s = Schedule {
+            name: "naive".into(),
+            collective: Collective::AllReduce,
+            nranks: n,
+            root: 0,
+            scratch_slots: 1,
+            ranks,
+        };
+        let e = fails(&s, "counted twice");
+        assert!(e.starts_with("in place:"), "{e}");
+    }
+
+    #[test]
+    fn json_round_trip_and_rejection() {
+        let s = gen(Collective::ReduceScatter, "ring", 5);
+        let text = serde_json::to_string(&s).unwrap();
+        assert_eq!(from_json(&text).unwrap(), s);
+        let mut broken = s.clone();
+        broken.ranks[0][0].sends.clear();
+        let e = from_json(&serde_json::to_string(&broken).unwrap()).unwrap_err();
+        assert!(matches!(e, PlaitError::Config(_)) && e.to_string().contains("no matching"), "{e}");
+        assert!(matches!(from_json("{\"name\":"), Err(PlaitError::Config(_))));
+        // Hand-written: defaults for omitted fields.
+        let text = r#"{"name":"mine","collective":"broadcast","nranks":2,"ranks":[
+            [{"sends":[{"peer":1,"src":{"buf":"input","index":0}},{"peer":1,"src":{"buf":"input","index":1}}],
+              "locals":[{"copy":{"src":{"buf":"input","index":0},"dst":{"buf":"output","index":0}}},
+                        {"copy":{"src":{"buf":"input","index":1},"dst":{"buf":"output","index":1}}}]}],
+            [{"recvs":[{"peer":0,"dst":{"buf":"output","index":0}},{"peer":0,"dst":{"buf":"output","index":1}}]}]]}"#;
+        from_json(text).unwrap();
+    }
+
+    /// The generators contain no redundant operation and the verifier is strict enough to
+    /// notice any single one missing.
+    #[test]
+    fn every_single_deletion_is_caught() {
+        let mut checked = 0;
+        for coll in Collective::ALL {
+            for &a in algorithms(coll) {
+                for n in 1..=6 {
+                    for root in [0, n - 1] {
+                        let s = generate(coll, a, n, root).unwrap();
+                        for r in 0..n {
+                            for k in 0..s.nsteps() {
+                                let st = &s.ranks[r][k];
+                                for i in 0..st.locals.len() {
+                                    let mut m = s.clone();
+                                    m.ranks[r][k].locals.remove(i);
+                                    // copies that are no-ops in place are still needed out of place
+                                    assert!(verify(&m).is_err(), "{coll} {a} n={n} r={r} k={k} local {i}");
+                                    checked += 1;
+                                }
+                                for i in 0..st.recvs.len() {
+                                    if st.recvs[i].reduce_with.is_some() {
+                                        let mut m = s.clone();
+                                        m.ranks[r][k].recvs[i].reduce_with = None;
+                                        assert!(verify(&m).is_err(), "{coll} {a} n={n} r={r} k={k} recv {i}");
+                                        checked += 1;
+                                    }
+                                }
+                                for i in 0..st.sends.len() {
+                                    let mut m = s.clone();
+                                    m.ranks[r][k].sends.remove(i);
+                                    assert!(verify(&m).is_err());
+                                    checked += 1;
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        assert!(checked > 5000);
     }
 }

@@ -1,0 +1,103 @@
+//! The communicator end to end, ranks as threads of one process over loopback.
+
+use plait_core::exec::RawBuf;
+use plait_core::group::{CollRequest, CommConfig, Communicator};
+use plait_core::sched::{gen, Collective};
+use plait_core::store::MemStore;
+use plait_core::{DType, PlaitError, ReduceOp};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+fn world<T: Send + 'static>(n: usize, epoch: u64, f: impl Fn(Arc<Communicator>) -> T + Send + Sync + 'static) -> Vec<T> {
+    let store = Arc::new(MemStore::new());
+    let f = Arc::new(f);
+    let handles: Vec<_> = (0..n)
+        .map(|r| {
+            let (store, f) = (store.clone(), f.clone());
+            std::thread::spawn(move || {
+                let mut cfg = CommConfig::from_env(r, n).unwrap();
+                cfg.timeout = Duration::from_secs(20);
+                cfg.epoch = epoch;
+                cfg.segment_bytes = 4096;
+                let comm = Communicator::new(&*store, cfg).unwrap();
+                let out = f(comm.clone());
+                comm.close();
+                out
+            })
+        })
+        .collect();
+    handles.into_iter().map(|h| h.join().unwrap()).collect()
+}
+
+fn f32_buf(v: &mut [f32]) -> RawBuf {
+    RawBuf { ptr: v.as_mut_ptr() as *mut u8, len: v.len() * 4 }
+}
+
+fn allreduce(comm: &Arc<Communicator>, input: &mut [f32], output: &mut [f32], algo: Option<&str>) -> Result<(), PlaitError> {
+    let req = CollRequest {
+        coll: Collective::AllReduce,
+        dtype: DType::F32,
+        op: ReduceOp::Sum,
+        root: 0,
+        input: f32_buf(input),
+        output: f32_buf(output),
+        send_counts: None,
+        recv_counts: None,
+        timeout: None,
+        algo: algo.map(String::from),
+    };
+    comm.collective(req, true)?.wait(None).unwrap().map(|_| ())
+}
+
+#[test]
+fn allreduce_every_algorithm_every_small_world() {
+    for n in [1, 2, 3, 5] {
+        for &algo in gen::algorithms(Collective::AllReduce) {
+            let results = world(n, 0, move |comm| {
+                let r = comm.rank();
+                let mut errs = Vec::new();
+                for count in [0usize, 1, 7, 4099, 20000] {
+                    let mut input: Vec<f32> = (0..count).map(|i| (i % 13) as f32 + r as f32).collect();
+                    let mut output = vec![-1.0f32; count];
+                    allreduce(&comm, &mut input, &mut output, Some(algo)).unwrap();
+                    for (i, v) in output.iter().enumerate() {
+                        let want: f32 = (0..n).map(|q| (i % 13) as f32 + q as f32).sum();
+                        if *v != want {
+                            errs.push(format!("n={n} {algo} count={count} [{i}] = {v}, want {want}"));
+                            break;
+                        }
+                    }
+                }
+                errs
+            });
+            let errs: Vec<String> = results.into_iter().flatten().collect();
+            assert!(errs.is_empty(), "{errs:?}");
+        }
+    }
+}
+
+#[test]
+fn abort_from_another_thread_ends_the_operation_and_restores_the_output() {
+    let results = world(2, 0, |comm| {
+        if comm.rank() == 1 {
+            // Rank 1 never joins: rank 0 waits until it is aborted.
+            std::thread::sleep(Duration::from_millis(1500));
+            return None;
+        }
+        let mut input = vec![1.0f32; 100_000];
+        let mut output = vec![7.0f32; 100_000];
+        let c2 = comm.clone();
+        let t = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(300));
+            c2.abort("test abort");
+        });
+        let start = Instant::now();
+        let err = allreduce(&comm, &mut input, &mut output, None).unwrap_err();
+        t.join().unwrap();
+        assert!(output.iter().all(|v| *v == 7.0), "output was modified");
+        Some((err, start.elapsed()))
+    });
+    let (err, took) = results[0].clone().unwrap();
+    assert!(matches!(err, PlaitError::Aborted { .. }), "{err}");
+    assert!(took < Duration::from_millis(1300), "abort took {took:?}");
+}
