@@ -84,7 +84,7 @@ struct Shared {
 struct State {
     /// Accepted, not yet taken by accept_from.
     ready: HashMap<u32, TcpStream>,
-    /// Every rank ever accepted (ready or taken): a second connection from it is refused.
+    /// Ranks accepted, being replied to, or taken: a second connection claiming one is refused.
     claimed: HashSet<u32>,
     /// Ranks whose stream accept_from already handed out.
     taken: HashSet<u32>,
@@ -852,12 +852,14 @@ mod tests {
 
     #[test]
     fn connect_retries_until_the_listener_appears() {
-        let port = {
-            let l = Listener::bind(hello("g", 1, 0, 0, 2)).unwrap();
-            l.port()
-        };
+        // A bound but not listening socket holds the port, so connects are refused and no other
+        // test's socket can take the port in the meantime.
+        let hold = Socket::new(Domain::IPV4, Type::STREAM, None).unwrap();
+        hold.bind(&SocketAddr::from(([0, 0, 0, 0], 0)).into()).unwrap();
+        let port = hold.local_addr().unwrap().as_socket().unwrap().port();
         let c = std::thread::spawn(move || connect(&lo_route(), port, &hello("g", 1, 1, 0, 2), soon(5000)));
         std::thread::sleep(Duration::from_millis(300));
+        drop(hold);
         let l = Listener::bind_with(hello("g", 1, 0, 0, 2), port, HANDSHAKE_TIMEOUT).unwrap();
         l.accept_from(1, soon(5000)).unwrap();
         c.join().unwrap().unwrap();

@@ -97,16 +97,18 @@ impl PeerBytes {
 }
 
 fn wire_seconds(sent: &PeerBytes, received: &PeerBytes, model: &LinkModel) -> f64 {
-    let bytes = if model.shared {
-        sent.sum().max(received.sum())
-    } else {
-        sent.max().max(received.max())
-    };
+    let bytes =
+        if model.shared { sent.sum().max(received.sum()) } else { sent.max().max(received.max()) };
     bytes / model.bandwidth
 }
 
 /// Estimated seconds to run `s` with block sizes `block_bytes` (missing entries count as 0).
-pub fn estimate(s: &Schedule, block_bytes: &[usize], model: &LinkModel, segment_bytes: usize) -> f64 {
+pub fn estimate(
+    s: &Schedule,
+    block_bytes: &[usize],
+    model: &LinkModel,
+    segment_bytes: usize,
+) -> f64 {
     let n = s.nranks;
     let size = |r: usize, c: &ChunkRef| {
         block_bytes.get(c.block(s.collective, n, r, s.root)).copied().unwrap_or(0) as f64
@@ -174,7 +176,13 @@ mod tests {
 
     const MIB: usize = 1 << 20;
 
-    fn costs(coll: Collective, n: usize, total: usize, model: &LinkModel, seg: usize) -> Vec<(&'static str, f64)> {
+    fn costs(
+        coll: Collective,
+        n: usize,
+        total: usize,
+        model: &LinkModel,
+        seg: usize,
+    ) -> Vec<(&'static str, f64)> {
         let blocks = vec![total / n; n];
         algorithms(coll)
             .iter()

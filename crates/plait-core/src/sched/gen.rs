@@ -9,6 +9,26 @@
 //!   concurrent accumulating receives), it is a `LocalOp::Copy`; in place the executor skips it.
 //! * `n == 1` is a single local Input -> Output copy for every algorithm.
 //! * Non-rooted collectives ignore `root` (the schedule records 0).
+//!
+//! | collective | algorithm | steps (n ranks, p = 2^floor(log2 n)) | scratch slots |
+//! |---|---|---|---|
+//! | allreduce | ring | 2(n-1) | 0 |
+//! | allreduce | direct | 3 (step 0: local seed copy) | 0 |
+//! | allreduce | oneshot | 1 | n-1 |
+//! | allreduce | rhd | 2 log2 p, + 2 if n != p | 0 |
+//! | allreduce | ring2 | 2 ceil((n-1)/2) | 1 if n odd, else 0 |
+//! | reduce_scatter | ring | n-1 | 1 (n > 2) |
+//! | reduce_scatter | direct | 2 (step 0: local seed copy) | 0 |
+//! | allgather | ring / direct | n-1 / 1 | 0 |
+//! | broadcast | binomial / chain / direct | ceil(log2 n) / n-1 / 1 | 0 |
+//! | reduce | binomial / chain / direct | ceil(log2 n) / n-1 / 2 | 1 (non-roots) / 1 / 0 |
+//! | gather, scatter | direct | 1 | 0 |
+//! | alltoall | pairwise | n-1 | 0 |
+//!
+//! Reduction order: every algorithm reduces each block once, on one rank, and then copies the
+//! result, so all ranks end bit-identical. The order is fixed (run-to-run reproducible) except
+//! for `direct` allreduce / reduce_scatter / reduce, which accumulate in arrival order.
+//! `oneshot` reduces on every rank, in rank order 0..n-1, which keeps ranks identical.
 
 use super::{ChunkRef, Collective, LocalOp, RecvOp, Schedule, SendOp, Step};
 use crate::error::PlaitError;
@@ -253,8 +273,8 @@ fn allreduce_rhd(b: &mut Builder) {
         for e in p..n {
             for j in 0..n {
                 b.xfer(k, e, inp(j), e - p, out(j), Some(inp(j)));
-                cur[e - p][j] = out(j);
             }
+            cur[e - p] = (0..n).map(out).collect();
         }
         k += 1;
     }
@@ -280,9 +300,9 @@ fn allreduce_rhd(b: &mut Builder) {
                 b.xfer(k, r, cur[r][j], partner, out(j), Some(cur[partner][j]));
             }
         }
-        for r in 0..p {
+        for (r, partials) in cur.iter_mut().enumerate().take(p) {
             for j in range(r, level + 1) {
-                cur[r][j] = out(j);
+                partials[j] = out(j);
             }
         }
         k += 1;
@@ -493,17 +513,20 @@ fn reduce_acc(b: &mut Builder, r: usize, j: usize) -> ChunkRef {
 
 fn reduce_binomial(b: &mut Builder) {
     let n = b.n;
-    let mut cur: Vec<Vec<ChunkRef>> = (0..n).map(|_| (0..n).map(inp).collect()).collect();
+    // Whether a rank's partial is in its accumulator yet (else it is still its Input).
+    let mut accumulated = vec![false; n];
     let mut k = 0;
     while (1 << k) < n {
         let mask = 1usize << k;
         for v in (mask..n).step_by(2 * mask) {
             let (from, to) = (rel(b, v), rel(b, v - mask));
             for j in 0..n {
+                let src = if accumulated[from] { reduce_acc(b, from, j) } else { inp(j) };
+                let base = if accumulated[to] { reduce_acc(b, to, j) } else { inp(j) };
                 let acc = reduce_acc(b, to, j);
-                b.xfer(k, from, cur[from][j], to, acc, Some(cur[to][j]));
-                cur[to][j] = acc;
+                b.xfer(k, from, src, to, acc, Some(base));
             }
+            accumulated[to] = true;
         }
         k += 1;
     }
@@ -606,9 +629,15 @@ mod tests {
             let fold = if n > p { 2 } else { 0 };
             assert_eq!(steps(Collective::AllReduce, "ring", n), 2 * (n - 1));
             assert_eq!(steps(Collective::AllReduce, "ring2", n), 2 * (n / 2));
-            assert_eq!(steps(Collective::AllReduce, "rhd", n), 2 * p.trailing_zeros() as usize + fold);
+            assert_eq!(
+                steps(Collective::AllReduce, "rhd", n),
+                2 * p.trailing_zeros() as usize + fold
+            );
             assert_eq!(steps(Collective::AllReduce, "oneshot", n), 1);
-            assert_eq!(steps(Collective::Broadcast, "binomial", n), n.next_power_of_two().trailing_zeros() as usize);
+            assert_eq!(
+                steps(Collective::Broadcast, "binomial", n),
+                n.next_power_of_two().trailing_zeros() as usize
+            );
             assert_eq!(steps(Collective::AllToAll, "pairwise", n), n - 1);
         }
     }
@@ -621,6 +650,9 @@ mod tests {
         let e = generate(Collective::AllGather, "rhd", 4, 0).unwrap_err();
         assert!(matches!(e, PlaitError::Config(_)));
         let msg = e.to_string();
-        assert!(msg.contains("allgather") && msg.contains("'rhd'") && msg.contains("ring, direct"), "{msg}");
+        assert!(
+            msg.contains("allgather") && msg.contains("'rhd'") && msg.contains("ring, direct"),
+            "{msg}"
+        );
     }
 }

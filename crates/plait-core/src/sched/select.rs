@@ -58,7 +58,11 @@ pub struct Selector {
 }
 
 impl Selector {
-    pub fn new(overrides: HashMap<Collective, String>, model: LinkModel, segment_bytes: usize) -> Self {
+    pub fn new(
+        overrides: HashMap<Collective, String>,
+        model: LinkModel,
+        segment_bytes: usize,
+    ) -> Self {
         Selector {
             overrides,
             model,
@@ -103,7 +107,9 @@ impl Selector {
         // generation is harmless (same result).
         let s = generate(coll, algo, n, root)?;
         verify(&s).map_err(|e| {
-            PlaitError::Config(format!("built-in {coll} schedule '{algo}' for {n} ranks is wrong: {e}"))
+            PlaitError::Config(format!(
+                "built-in {coll} schedule '{algo}' for {n} ranks is wrong: {e}"
+            ))
         })?;
         let s = Arc::new(s);
         Ok(self.schedules.lock().entry(key).or_insert(s).clone())
@@ -223,4 +229,3 @@ mod tests {
         assert!(many.iter().all(|x| x.0 != "oneshot"));
     }
 }
-
