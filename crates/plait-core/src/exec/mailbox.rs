@@ -75,6 +75,8 @@ struct Inner {
 #[derive(Default)]
 pub struct Mailbox {
     inner: Mutex<Inner>,
+    /// Buffers for early frames, shared with the executor's snapshots and scratch.
+    pub pool: super::pool::BufferPool,
 }
 
 thread_local! {
@@ -110,6 +112,7 @@ impl Mailbox {
             }
         };
         let result = land_from_memory(key.0, &stashed.header, &stashed.data, &p);
+        self.pool.give(stashed.data);
         let _ = p.events.send(Event { token: p.token, result, source: key.0 });
     }
 
@@ -150,6 +153,7 @@ impl Mailbox {
             Some(s) => {
                 drop(inner);
                 let result = land_from_memory(peer, &s.header, &s.data, &p);
+                self.pool.give(s.data);
                 let _ = p.events.send(Event { token: p.token, result, source: peer });
             }
             None => {
@@ -222,7 +226,7 @@ impl Mailbox {
             return Ok(());
         }
         // Not posted yet: read without holding the lock, then look again before stashing.
-        let mut data = vec![0u8; h.nbytes as usize];
+        let mut data = self.pool.take(h.nbytes as usize);
         payload.read_exact(&mut data)?;
         let mut inner = self.inner.lock();
         if inner.broken.is_some() {
@@ -231,6 +235,7 @@ impl Mailbox {
         if let Some(p) = take_locked(&mut inner, peer, key) {
             drop(inner);
             let result = land_from_memory(peer, h, &data, &p);
+            self.pool.give(data);
             let _ = p.events.send(Event { token: p.token, result, source: peer });
         } else {
             inner.stashed.insert(key, Stashed { header: *h, data });

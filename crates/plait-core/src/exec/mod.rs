@@ -8,6 +8,7 @@
 pub mod fabric;
 pub mod layout;
 pub mod mailbox;
+pub mod pool;
 
 use crate::dtype::{DType, ReduceOp};
 use crate::error::{PlaitError, Result};
@@ -112,8 +113,10 @@ pub fn run_collective(
         return Err(PlaitError::Broken(err.to_string()));
     }
     let start = Instant::now();
-    let snapshot = unsafe { bytes(output.ptr, output.len) }.to_vec();
-    let mut scratch = vec![0u8; sched.scratch_slots * layout.scratch_slot_bytes];
+    let pool = &fabric.mailbox.pool;
+    let mut snapshot = pool.take(output.len);
+    snapshot.copy_from_slice(unsafe { bytes(output.ptr, output.len) });
+    let mut scratch = pool.take(sched.scratch_slots * layout.scratch_slot_bytes);
     let run = Run {
         fabric,
         spec,
@@ -127,8 +130,7 @@ pub fn run_collective(
     };
     let (tx, rx) = crossbeam_channel::unbounded();
     let mut state = State::new(layout.max_nseg(), sched.nsteps());
-    let result = run.drive(&tx, &rx, &mut state, start);
-    match result {
+    let result = match run.drive(&tx, &rx, &mut state, start) {
         Ok(()) => {
             run.finalize();
             Ok(())
@@ -138,7 +140,10 @@ pub fn run_collective(
             unsafe { bytes_mut(output.ptr, output.len) }.copy_from_slice(&snapshot);
             Err(err)
         }
-    }
+    };
+    pool.give(snapshot);
+    pool.give(scratch);
+    result
 }
 
 struct State {
@@ -466,7 +471,8 @@ pub fn recv_p2p(fabric: &Fabric, src: Option<usize>, tag: u64, dtype: DType, dst
         return Err(PlaitError::Broken(err.to_string()));
     }
     let start = Instant::now();
-    let snapshot = unsafe { bytes(dst.ptr, dst.len) }.to_vec();
+    let mut snapshot = fabric.mailbox.pool.take(dst.len);
+    snapshot.copy_from_slice(unsafe { bytes(dst.ptr, dst.len) });
     let (tx, rx) = crossbeam_channel::bounded(1);
     let op_id = fabric.op_id();
     let expect = Expect {
@@ -481,7 +487,7 @@ pub fn recv_p2p(fabric: &Fabric, src: Option<usize>, tag: u64, dtype: DType, dst
     };
     fabric.mailbox.post_p2p(src, tag, Posted { landing: Landing::Copy { dst: dst.ptr }, len: dst.len, expect, op_id, token: 0, events: tx });
     let peer_desc = src.map(|p| p as i64).unwrap_or(-1);
-    match wait_one(fabric, &rx, start, timeout, &what, peer_desc.max(0) as usize, "send") {
+    let result = match wait_one(fabric, &rx, start, timeout, &what, peer_desc.max(0) as usize, "send") {
         Ok(source) => Ok(source),
         Err((err, under_way)) => {
             let first = fabric.fail(err, true);
@@ -491,7 +497,9 @@ pub fn recv_p2p(fabric: &Fabric, src: Option<usize>, tag: u64, dtype: DType, dst
             unsafe { bytes_mut(dst.ptr, dst.len) }.copy_from_slice(&snapshot);
             Err(with_waited(first.for_op(&what), start.elapsed()))
         }
-    }
+    };
+    fabric.mailbox.pool.give(snapshot);
+    result
 }
 
 /// Waits for the single event of a point-to-point transfer. On error, says whether the
