@@ -1,0 +1,390 @@
+"""The direct API: collectives on numpy arrays (and anything with the buffer protocol).
+
+Every method validates its arguments before the core sees them, takes `timeout=` (seconds, default:
+the communicator's) and `async_op=`; blocking calls return the output array, async calls return a
+`Work` that keeps the buffers alive until the operation ends.
+"""
+
+import operator
+
+import numpy as np
+
+from . import _core
+from ._buffers import (
+    addr,
+    as_input,
+    as_output,
+    check_counts,
+    check_out,
+    check_rank,
+    separate,
+)
+from ._core import InvalidArgumentError, PlaitTimeoutError
+from ._dtypes import check_op, core_dtype
+
+_POLL = 0.25  # seconds between checks for Ctrl-C while a blocking call waits
+
+
+class Work:
+    """Handle of an operation started with `async_op=True`."""
+
+    __slots__ = ("_work", "_keep", "_result")
+
+    def __init__(self, work, keep, result):
+        self._work = work
+        self._keep = keep  # buffers the core reads or writes: alive until the op ends
+        self._result = result
+
+    def wait(self, timeout=None):
+        """True once the operation is done, False if `timeout` seconds passed first.
+        Raises the operation's error (a PlaitError subclass) if it failed."""
+        try:
+            done = self._work.wait(timeout)
+        except BaseException:
+            if self._work.is_completed():
+                self._keep = None
+            raise
+        if done:
+            self._keep = None
+        return done
+
+    def is_completed(self):
+        return self._work.is_completed()
+
+    def result(self, timeout=None):
+        """Waits, then returns the output array (None where the rank gets no output)."""
+        if not self.wait(timeout):
+            raise PlaitTimeoutError(f"operation not complete after {timeout} s")
+        return self._result
+
+    def source(self):
+        """For a receive: the rank the message came from."""
+        return self._work.source()
+
+    def _block(self):
+        while not self.wait(_POLL):  # short waits so that Ctrl-C is seen
+            pass
+        return self._result
+
+
+class Communicator:
+    """`world_size` processes that meet through `store` (torch's TCPStore or anything with
+    set / get / wait) and then talk over a full mesh of TCP connections."""
+
+    def __init__(self, store, rank, world_size, *, timeout=None, group="default", epoch=0, algo=None):
+        world_size = _int(world_size, "Communicator", "world_size")
+        if world_size < 1:
+            raise InvalidArgumentError(f"Communicator: world_size must be >= 1, got {world_size}")
+        rank = check_rank(rank, world_size, "Communicator", "rank")
+        kw = {"group": group, "epoch": _int(epoch, "Communicator", "epoch")}
+        if timeout is not None:
+            kw["timeout"] = _timeout(timeout, "Communicator")
+        if algo is not None:
+            kw["algo"] = algo
+        self._store = store
+        self._pending = []
+        self._comm = _core.Comm(store, rank, world_size, **kw)
+
+    # -- identity ------------------------------------------------------------------------------
+    @property
+    def rank(self):
+        return self._comm.rank
+
+    @property
+    def world_size(self):
+        return self._comm.size
+
+    size = world_size
+
+    @property
+    def epoch(self):
+        return self._comm.epoch
+
+    @property
+    def group(self):
+        return self._comm.group
+
+    def __repr__(self):
+        return f"<plait.Communicator rank {self.rank}/{self.world_size} group {self.group!r} epoch {self.epoch}>"
+
+    def algorithm_for(self, coll, nbytes, root=0):
+        """The algorithm the selector would use for this collective and size."""
+        return self._comm.algorithm_for(coll, nbytes, root)
+
+    def routes(self):
+        """Per peer: the local and remote address used and why."""
+        return self._comm.routes()
+
+    # -- reductions ----------------------------------------------------------------------------
+    def allreduce(self, x, op="sum", *, out=None, factor=None, timeout=None, algo=None, async_op=False):
+        w = "allreduce"
+        a = as_input(x, w)
+        dt = core_dtype(a.dtype)
+        op, factor = check_op(op, dt, factor)
+        o = self._out(out, a, a.size, w, a.shape)
+        send = separate(a, o, in_place_ok=_same(a, o))
+        return self._run(w, send, o, dt, o, op=op, factor=factor, timeout=timeout, algo=algo, async_op=async_op)
+
+    def reduce(self, x, root, op="sum", *, out=None, factor=None, timeout=None, algo=None, async_op=False):
+        """Result in `out` (returned) on `root`; other ranks return None."""
+        w = "reduce"
+        a = as_input(x, w)
+        dt = core_dtype(a.dtype)
+        root = check_rank(root, self.world_size, w, "root")
+        op, factor = check_op(op, dt, factor)
+        o = self._out(out, a, a.size, w, a.shape) if self.rank == root else _empty(a)
+        send = separate(a, o)
+        result = o if self.rank == root else None
+        return self._run(w, send, o, dt, result, op=op, factor=factor, root=root, timeout=timeout, algo=algo,
+                         async_op=async_op)
+
+    def reduce_scatter(self, x, op="sum", *, out=None, factor=None, timeout=None, algo=None, async_op=False):
+        """x holds world_size equal blocks (x.shape[0] == world_size, or flat); this rank gets the
+        reduction of block `rank`. In place when out is block `rank` of x."""
+        w = "reduce_scatter"
+        a = as_input(x, w)
+        n = self.world_size
+        if a.size % n:
+            raise InvalidArgumentError(f"{w}: x has {a.size} elements, not a multiple of world size {n}")
+        c = a.size // n
+        shape = a.shape[1:] if a.ndim >= 2 and a.shape[0] == n else (c,)
+        return self._reduce_scatter(w, a, [c] * n, op, out, factor, timeout, algo, async_op, shape, None)
+
+    def reduce_scatter_v(self, x, counts, op="sum", *, out=None, factor=None, timeout=None, algo=None,
+                         async_op=False):
+        """Uneven reduce_scatter: block r of x has counts[r] elements."""
+        w = "reduce_scatter_v"
+        a = as_input(x, w)
+        counts = check_counts(counts, self.world_size, w, total=a.size)
+        return self._reduce_scatter(w, a, counts, op, out, factor, timeout, algo, async_op,
+                                    (counts[self.rank],), counts)
+
+    def _reduce_scatter(self, w, a, counts, op, out, factor, timeout, algo, async_op, shape, core_counts):
+        dt = core_dtype(a.dtype)
+        op, factor = check_op(op, dt, factor)
+        o = self._out(out, a, counts[self.rank], w, shape)
+        mine = a.reshape(-1)[sum(counts[: self.rank]):][: counts[self.rank]]
+        send = separate(a, o, in_place_ok=_same(mine, o))
+        return self._run("reduce_scatter", send, o, dt, o, op=op, factor=factor, recv_counts=core_counts,
+                         timeout=timeout, algo=algo, async_op=async_op)
+
+    # -- data movement ---------------------------------------------------------------------------
+    def broadcast(self, x, root, *, timeout=None, algo=None, async_op=False):
+        """Copies root's x into x on every rank (in place); returns x."""
+        w = "broadcast"
+        a = as_output(x, w, "x")
+        dt = core_dtype(a.dtype)
+        root = check_rank(root, self.world_size, w, "root")
+        send = a if self.rank == root else _empty(a)
+        return self._run(w, send, a, dt, a, root=root, timeout=timeout, algo=algo, async_op=async_op)
+
+    def allgather(self, x, *, out=None, timeout=None, algo=None, async_op=False):
+        """Every rank's x, stacked: shape (world_size, *x.shape). In place when x is block `rank`
+        of out."""
+        a = as_input(x, "allgather")
+        n = self.world_size
+        return self._allgather("allgather", a, [a.size] * n, out, (n,) + a.shape, None, timeout, algo, async_op)
+
+    def allgather_v(self, x, counts, *, out=None, timeout=None, algo=None, async_op=False):
+        """Uneven allgather: rank r contributes counts[r] elements; out is 1-D, sum(counts) long."""
+        w = "allgather_v"
+        a = as_input(x, w)
+        counts = check_counts(counts, self.world_size, w)
+        if counts[self.rank] != a.size:
+            raise InvalidArgumentError(f"{w}: counts[{self.rank}]={counts[self.rank]} but x has {a.size} elements")
+        return self._allgather(w, a, counts, out, (sum(counts),), counts, timeout, algo, async_op)
+
+    def _allgather(self, w, a, counts, out, shape, core_counts, timeout, algo, async_op):
+        core_dtype(a.dtype)
+        o = self._out(out, a, sum(counts), w, shape)
+        mine = o.reshape(-1)[sum(counts[: self.rank]):][: counts[self.rank]]
+        send = separate(a, o, in_place_ok=_same(a, mine))
+        return self._run("allgather", send, o, core_dtype(a.dtype), o, recv_counts=core_counts, timeout=timeout,
+                         algo=algo, async_op=async_op)
+
+    def gather(self, x, root, *, out=None, counts=None, timeout=None, algo=None, async_op=False):
+        """Every rank's x at root (stacked, or 1-D if counts are given); other ranks return None."""
+        w = "gather"
+        a = as_input(x, w)
+        dt = core_dtype(a.dtype)
+        n = self.world_size
+        root = check_rank(root, n, w, "root")
+        if counts is None:
+            shape, total = (n,) + a.shape, n * a.size
+        else:
+            counts = check_counts(counts, n, w)
+            if counts[self.rank] != a.size:
+                raise InvalidArgumentError(f"{w}: counts[{self.rank}]={counts[self.rank]} but x has {a.size} elements")
+            shape, total = (sum(counts),), sum(counts)
+        if self.rank != root:
+            return self._run(w, a, _empty(a), dt, None, root=root, timeout=timeout, algo=algo, async_op=async_op)
+        o = self._out(out, a, total, w, shape)
+        return self._run(w, separate(a, o), o, dt, o, root=root, recv_counts=counts, timeout=timeout,
+                         algo=algo, async_op=async_op)
+
+    def scatter(self, x, root, out, *, counts=None, timeout=None, algo=None, async_op=False):
+        """Block r of root's x goes to out on rank r (x is ignored on other ranks); returns out."""
+        w = "scatter"
+        n = self.world_size
+        root = check_rank(root, n, w, "root")
+        o = as_output(out, w)
+        dt = core_dtype(o.dtype)
+        if counts is not None:
+            counts = check_counts(counts, n, w)
+            if counts[self.rank] != o.size:
+                raise InvalidArgumentError(f"{w}: counts[{self.rank}]={counts[self.rank]} but out has {o.size} elements")
+        if self.rank != root:
+            return self._run(w, _empty(o), o, dt, o, root=root, timeout=timeout, algo=algo, async_op=async_op)
+        a = as_input(x, w)
+        total = n * o.size if counts is None else sum(counts)
+        check_out(a, o, total, w, name="x")
+        return self._run(w, separate(a, o), o, dt, o, root=root, send_counts=counts, timeout=timeout,
+                         algo=algo, async_op=async_op)
+
+    def alltoall(self, x, *, out=None, timeout=None, algo=None, async_op=False):
+        """Block j of x goes to rank j; block i of the result came from rank i."""
+        w = "alltoall"
+        a = as_input(x, w)
+        n = self.world_size
+        if a.size % n:
+            raise InvalidArgumentError(f"{w}: x has {a.size} elements, not a multiple of world size {n}")
+        o = self._out(out, a, a.size, w, a.shape)
+        return self._run(w, separate(a, o), o, core_dtype(a.dtype), o, timeout=timeout, algo=algo, async_op=async_op)
+
+    def alltoall_v(self, x, send_counts, recv_counts, *, out=None, timeout=None, algo=None, async_op=False):
+        """Uneven alltoall: send_counts[j] elements of x go to rank j, recv_counts[i] come from rank i."""
+        w = "alltoall_v"
+        a = as_input(x, w)
+        n = self.world_size
+        send_counts = check_counts(send_counts, n, w, "send_counts", total=a.size)
+        recv_counts = check_counts(recv_counts, n, w, "recv_counts")
+        o = self._out(out, a, sum(recv_counts), w, (sum(recv_counts),))
+        return self._run("alltoall", separate(a, o), o, core_dtype(a.dtype), o, send_counts=send_counts,
+                         recv_counts=recv_counts, timeout=timeout, algo=algo, async_op=async_op)
+
+    def barrier(self, *, timeout=None, async_op=False):
+        self._prune()
+        work = Work(self._comm.barrier(timeout=_timeout(timeout, "barrier"), inline=not async_op), (), None)
+        return self._finish(work, async_op)
+
+    # -- point to point --------------------------------------------------------------------------
+    def send(self, x, dst, tag=0, *, timeout=None, async_op=False):
+        a = as_input(x, "send")
+        dst = self._peer(dst, "send", "dst")
+        tag = _tag(tag, "send")
+        self._prune()
+        w = self._comm.send(addr(a), a.nbytes, core_dtype(a.dtype), dst, tag, timeout=_timeout(timeout, "send"),
+                            inline=not async_op)
+        return self._finish(Work(w, (a,), None), async_op)
+
+    def recv(self, out, src=None, tag=0, *, timeout=None, async_op=False):
+        """Receives into out; returns the source rank (src=None: from any rank). Async: the Work's
+        source() tells the sender."""
+        o = as_output(out, "recv")
+        src = -1 if src is None else self._peer(src, "recv", "src")
+        tag = _tag(tag, "recv")
+        self._prune()
+        w = self._comm.recv(addr(o), o.nbytes, core_dtype(o.dtype), src, tag, timeout=_timeout(timeout, "recv"),
+                            inline=not async_op)
+        work = Work(w, (o,), o)
+        if async_op:
+            return self._finish(work, True)
+        self._finish(work, False)
+        return work.source()
+
+    # -- lifetime --------------------------------------------------------------------------------
+    def abort(self, reason="abort() called"):
+        """Ends every in-flight operation (with AbortedError) within about a second; any thread."""
+        self._comm.abort(reason)
+
+    def close(self):
+        """Releases threads and sockets. Idempotent."""
+        self._comm.close()
+        still = []
+        for work in self._pending:
+            try:
+                if not work._work.wait(5.0):
+                    still.append(work)
+            except Exception:
+                pass
+        self._pending = still
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # -- plumbing --------------------------------------------------------------------------------
+    def _out(self, out, like, count, what, shape):
+        if out is None:
+            return np.empty(shape, dtype=like.dtype)
+        o = as_output(out, what)
+        check_out(o, like, count, what)
+        return o
+
+    def _peer(self, r, what, name):
+        r = check_rank(r, self.world_size, what, name)
+        if r == self.rank:
+            raise InvalidArgumentError(f"{what}: {name}={r} is this rank")
+        return r
+
+    def _run(self, coll, send, recv, dtype, result, *, op="sum", factor=None, root=0, send_counts=None,
+             recv_counts=None, timeout=None, algo=None, async_op=False):
+        self._prune()
+        w = self._comm.collective(
+            coll, addr(send), send.nbytes, addr(recv), recv.nbytes, dtype, op,
+            factor=factor, root=root, send_counts=send_counts, recv_counts=recv_counts,
+            timeout=_timeout(timeout, coll), algo=algo, inline=not async_op,
+        )
+        return self._finish(Work(w, (send, recv), result), async_op)
+
+    def _finish(self, work, async_op):
+        if async_op:
+            self._pending.append(work)
+            return work
+        try:
+            return work._block()
+        except BaseException:
+            if not work._work.is_completed():  # e.g. Ctrl-C: keep the buffers alive for the core
+                self._pending.append(work)
+            raise
+
+    def _prune(self):
+        if self._pending:
+            self._pending = [w for w in self._pending if not w._work.is_completed()]
+
+
+def _same(a, b):
+    """Same memory, same size: the core's definition of in place."""
+    return a.nbytes == b.nbytes and addr(a) == addr(b)
+
+
+def _empty(like):
+    return np.empty(0, dtype=like.dtype)
+
+
+def _int(v, what, name):
+    try:
+        return operator.index(v)
+    except TypeError:
+        raise InvalidArgumentError(f"{what}: {name} must be an int, got {v!r}") from None
+
+
+def _tag(tag, what):
+    tag = _int(tag, what, "tag")
+    if not 0 <= tag < 2**31:
+        raise InvalidArgumentError(f"{what}: tag must be in [0, 2**31), got {tag}")
+    return tag
+
+
+def _timeout(t, what):
+    if t is None:
+        return None
+    try:
+        t = float(t)
+    except (TypeError, ValueError):
+        raise InvalidArgumentError(f"{what}: timeout must be a number of seconds, got {t!r}") from None
+    if not t > 0:
+        raise InvalidArgumentError(f"{what}: timeout must be > 0 seconds, got {t}")
+    return t

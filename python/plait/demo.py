@@ -1,0 +1,180 @@
+"""`plait demo`: start a few local ranks on loopback, run every collective once with verification,
+then an allreduce size sweep, and print what happened next to a raw TCP stream measured in the same
+run. The ranks are `python -m plait.demo --worker` processes (see _demo_worker.py)."""
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from statistics import median
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+LIMIT = 150.0  # seconds before the demo gives up on its ranks
+
+
+def run(nproc=3, quick=False, json_path=None, console=None):
+    """Runs the demo; returns the exit status (0 when every check passed)."""
+    console = console or Console()
+    try:
+        import datetime
+
+        from torch.distributed import TCPStore
+    except ImportError:
+        console.print("[red]plait demo uses torch's TCPStore for the ranks to meet: pip install 'plait[torch]'")
+        return 2
+    store = TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
+    logs = [tempfile.TemporaryFile() for _ in range(nproc)]
+    procs = []
+    events = queue.Queue()
+    try:
+        for r in range(nproc):
+            cmd = [sys.executable, "-m", "plait.demo", "--worker", "--rank", str(r), "--nproc", str(nproc),
+                   "--port", str(store.port)] + (["--quick"] if quick else [])
+            procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=logs[r], start_new_session=True,
+                                          env=dict(os.environ, PYTHONUNBUFFERED="1")))
+        readers = [threading.Thread(target=_read, args=(r, p.stdout, events), daemon=True)
+                   for r, p in enumerate(procs)]
+        for t in readers:
+            t.start()
+        results, timed_out = _follow(console, nproc, readers, events)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+        for p in procs:
+            p.wait()
+    failed_ranks = [r for r, p in enumerate(procs) if p.returncode != 0 or not results["done"][r]]
+    for r in failed_ranks:
+        logs[r].seek(0)
+        tail = logs[r].read().decode(errors="replace").strip().splitlines()[-15:]
+        console.print(f"[red]rank {r} exited with {procs[r].returncode}" + (" (timed out)" if timed_out else ""))
+        for line in tail:
+            console.print(f"  {line}", markup=False, highlight=False)
+    summary = _report(console, nproc, results)
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(summary, f, indent=2)
+    ok = not failed_ranks and summary["failed"] == 0
+    console.print("[bold green]all checks passed" if ok else f"[bold red]{summary['failed']} check(s) failed")
+    return 0 if ok else 1
+
+
+def _read(rank, stream, events):
+    for line in stream:
+        try:
+            events.put((rank, json.loads(line)))
+        except ValueError:
+            pass
+    events.put((rank, None))  # end of stream
+
+
+def _follow(console, nproc, readers, events):
+    results = {"coll": {}, "sweep": {}, "p2p": None, "raw": None, "done": [False] * nproc}
+    open_streams = nproc
+    deadline = time.monotonic() + LIMIT
+    columns = (SpinnerColumn(), TextColumn("{task.description:<28}"), BarColumn(),
+               TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=True) as progress:
+        task = progress.add_task(f"starting {nproc} ranks", total=None)
+        while open_streams:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return results, True
+            try:
+                rank, ev = events.get(timeout=min(left, 0.2))
+            except queue.Empty:
+                continue
+            if ev is None:
+                open_streams -= 1
+                continue
+            kind = ev.get("ev")
+            if kind == "progress":
+                steps = progress.tasks[0].total
+                progress.update(task, description=ev["label"], total=ev["total"],
+                                completed=0 if steps is None else progress.tasks[0].completed + 1)
+            elif kind == "coll":
+                results["coll"].setdefault((ev["name"], ev["detail"]), {})[rank] = ev
+            elif kind == "sweep":
+                results["sweep"].setdefault(ev["bytes"], {})[rank] = ev
+            elif kind in ("p2p", "raw") and ev.get("seconds"):
+                results[kind] = ev
+            elif kind == "done":
+                results["done"][rank] = True
+    return results, False
+
+
+def _report(console, n, results):
+    failed = 0
+    out = {"nproc": n, "collectives": [], "sweep": [], "p2p": None, "raw_tcp": None}
+    table = Table(title=f"Every collective once, {n} ranks on loopback, checked against numpy")
+    for col in ("collective", "what", "result", "time (slowest rank)"):
+        table.add_column(col, justify="right" if col.startswith("time") else "left")
+    for (name, detail), per_rank in results["coll"].items():
+        errs = [f"rank {r}: {e['err']}" for r, e in sorted(per_rank.items()) if not e["ok"]]
+        ok = not errs and len(per_rank) == n
+        failed += not ok
+        ms = max(e["ms"] for e in per_rank.values())
+        table.add_row(name, detail, "[green]ok" if ok else f"[red]FAILED {'; '.join(errs)[:200]}", f"{ms:.2f} ms")
+        out["collectives"].append({"name": name, "detail": detail, "ok": ok, "ms": ms, "errors": errs})
+    console.print(table)
+
+    table = Table(title=f"allreduce sweep: f32, {n} ranks, busbw = algbw x 2(n-1)/n")
+    for col in ("size", "algorithm", "time p50", "algbw GB/s", "busbw GB/s", "check"):
+        table.add_column(col, justify="left" if col in ("algorithm", "check") else "right")
+    best = 0.0
+    for nbytes, per_rank in sorted(results["sweep"].items()):
+        t = max(median(e["times"]) for e in per_rank.values())  # the slowest rank's median
+        algbw = nbytes / t / 1e9
+        busbw = algbw * 2 * (n - 1) / n
+        best = max(best, busbw)
+        ok = all(e["ok"] for e in per_rank.values()) and len(per_rank) == n
+        failed += not ok
+        algo = per_rank[min(per_rank)]["algo"]
+        table.add_row(_size(nbytes), algo, _time(t), f"{algbw:.2f}", f"{busbw:.2f}", "[green]ok" if ok else "[red]WRONG")
+        out["sweep"].append({"bytes": nbytes, "algorithm": algo, "p50_s": t, "algbw_GBps": algbw,
+                             "busbw_GBps": busbw, "ok": ok})
+    console.print(table)
+
+    lines = []
+    if results["p2p"]:
+        e = results["p2p"]
+        out["p2p"] = {"bytes": e["bytes"], "seconds": e["seconds"], "GBps": e["bytes"] / e["seconds"] / 1e9}
+        lines.append(f"plait send/recv, {_size(e['bytes'])} rank 0 -> 1: {out['p2p']['GBps']:.2f} GB/s")
+    if results["raw"]:
+        e = results["raw"]
+        raw = e["bytes"] / e["seconds"] / 1e9
+        out["raw_tcp"] = {"bytes": e["bytes"], "seconds": e["seconds"], "GBps": raw}
+        lines.append(f"raw single TCP stream on loopback (Python sockets, {_size(e['bytes'])}): {raw:.2f} GB/s")
+        if best:
+            lines.append(f"best allreduce busbw {best:.2f} GB/s = {best / raw:.2f} x the raw stream")
+    else:
+        failed += 1
+        lines.append("[red]the raw TCP reference was not measured")
+    for line in lines:
+        console.print(line)
+    out["failed"] = failed
+    return out
+
+
+def _size(nbytes):
+    return f"{nbytes // 2**20} MiB" if nbytes >= 2**20 else f"{nbytes // 1024} KiB"
+
+
+def _time(t):
+    return f"{t * 1e3:.2f} ms" if t >= 1e-3 else f"{t * 1e6:.0f} us"
+
+
+if __name__ == "__main__":
+    if "--worker" in sys.argv[1:]:
+        from plait._demo_worker import main
+
+        sys.exit(main(sys.argv[1:]))
+    sys.exit(run(quick="--quick" in sys.argv[1:]))

@@ -1,0 +1,275 @@
+"""Host memory for the core: CPU tensors in place, everything else through staging buffers.
+
+The core works on raw host addresses. A contiguous CPU tensor is handed over as is (zero copy).
+Anything else gets a host copy: a non-contiguous CPU tensor a plain contiguous temporary; a CUDA
+or MPS tensor (or any tensor when `force_staging` is on) a buffer from the group's `HostPool`
+(pinned when CUDA is present). Outputs are copied back by `Staged.finish()`, which the Work runs
+exactly once, before `wait()` returns or the future completes.
+"""
+
+import threading
+
+import torch
+
+from .._core import InvalidArgumentError
+
+CORE_DTYPE = {
+    torch.float16: "f16",
+    torch.bfloat16: "bf16",
+    torch.float32: "f32",
+    torch.float64: "f64",
+    torch.int8: "i8",
+    torch.uint8: "u8",
+    torch.int16: "i16",
+    torch.int32: "i32",
+    torch.int64: "i64",
+    torch.bool: "bool",
+}
+WIRE_DTYPE = {"bf16": torch.bfloat16, "f16": torch.float16}
+_COMPLEX_OK = frozenset({"sum", "avg", "premul_sum"})
+
+
+def invalid(msg):
+    """The error a bad call raises before anything is sent (a ValueError and a RuntimeError)."""
+    from .work import torch_error
+
+    return torch_error(InvalidArgumentError(f"plait: {msg}"))
+
+
+def check_tensor(t, what):
+    if not isinstance(t, torch.Tensor):
+        raise invalid(f"{what}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.layout != torch.strided:
+        raise invalid(f"{what}: {t.layout} tensors are not supported (only dense, strided tensors)")
+    if t.device.type == "meta":
+        raise invalid(f"{what}: meta tensors have no data to communicate")
+    return t
+
+
+def real_view(t, opname, what):
+    """Complex tensors travel as their real and imaginary parts (fine for data movement and for
+    sum/avg/premul_sum; refused for the others, whose result would be wrong)."""
+    if t.is_complex():
+        if opname is not None and opname not in _COMPLEX_OK:
+            raise invalid(f"{what}: op {opname} is not defined for complex tensors ({t.dtype})")
+        return torch.view_as_real(t)
+    return t
+
+
+def reduce_dtype(t, opname, what):
+    dt = CORE_DTYPE.get(t.dtype)
+    if dt is None:
+        supported = ", ".join(str(d).replace("torch.", "") for d in CORE_DTYPE)
+        raise invalid(f"{what}: dtype {t.dtype} cannot be reduced (plait reduces {supported} and complex)")
+    if opname in ("band", "bor", "bxor") and dt in ("f16", "bf16", "f32", "f64"):
+        raise invalid(f"{what}: bitwise op {opname} is not defined for {t.dtype}")
+    if opname in ("avg", "premul_sum") and dt not in ("f16", "bf16", "f32", "f64"):
+        raise invalid(f"{what}: op {opname} needs a floating point tensor, got {t.dtype}")
+    return dt
+
+
+def move_dtype(dtype):
+    """(core dtype, bytes per element of that core dtype) for a pure data movement: any dtype
+    travels, as bytes when the core has no name for it."""
+    dt = CORE_DTYPE.get(dtype)
+    if dt is not None:
+        return dt
+    return "u8"
+
+
+def nbytes(t):
+    return t.numel() * t.element_size()
+
+
+def elems(t, core_dt):
+    """Element count of `t` in units of `core_dt`."""
+    if core_dt == "u8" and t.dtype != torch.uint8:
+        return nbytes(t)
+    return t.numel()
+
+
+def _next_pow2(n):
+    return 1 << max(12, (n - 1).bit_length())
+
+
+class HostPool:
+    """Reusable host buffers (pinned when CUDA is available), in power-of-two sizes, at most
+    `cap` bytes kept when idle."""
+
+    def __init__(self, cap):
+        self._cap = cap
+        self._free = {}
+        self._kept = 0
+        self._lock = threading.Lock()
+        self._pin = None
+
+    def _pinned(self):
+        if self._pin is None:
+            try:
+                self._pin = bool(torch.cuda.is_available())
+            except Exception:  # pragma: no cover
+                self._pin = False
+        return self._pin
+
+    def acquire(self, n):
+        size = _next_pow2(n)
+        with self._lock:
+            lst = self._free.get(size)
+            if lst:
+                self._kept -= size
+                return lst.pop()
+        return torch.empty(size, dtype=torch.uint8, pin_memory=self._pinned())
+
+    def release(self, buf):
+        size = buf.numel()
+        with self._lock:
+            if self._kept + size <= self._cap:
+                self._free.setdefault(size, []).append(buf)
+                self._kept += size
+
+    def clear(self):
+        with self._lock:
+            self._free.clear()
+            self._kept = 0
+
+
+def _stream_ctx(t):
+    """Runs copies for device tensor `t` on the stream current when the op was issued."""
+    if t.device.type == "cuda":
+        stream = torch.cuda.current_stream(t.device)
+
+        def ctx():
+            return torch.cuda.stream(stream)
+
+        return ctx
+    return None
+
+
+class _Nullctx:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *a):
+        return False
+
+
+_NULL = _Nullctx()
+
+
+class Staged:
+    """The host memory of one operation and what to do when it ends."""
+
+    __slots__ = ("_pool", "_force", "keep", "_after", "_pooled", "_sync_mps", "_done")
+
+    def __init__(self, pool, force):
+        self._pool = pool
+        self._force = force
+        self.keep = []  # tensors the core reads or writes: alive until the op ends
+        self._after = []  # copy-backs, in order
+        self._pooled = []
+        self._sync_mps = False
+        self._done = False
+
+    def direct(self, t):
+        return t.device.type == "cpu" and t.is_contiguous() and not self._force
+
+    def _tmp(self, t, shape, dtype):
+        n = 1
+        for s in shape:
+            n *= s
+        esize = torch.empty((), dtype=dtype).element_size()
+        if t.device.type == "cpu" and not self._force:
+            return torch.empty(shape, dtype=dtype)
+        buf = self._pool.acquire(max(1, n * esize))
+        self._pooled.append(buf)
+        return buf[: n * esize].view(dtype).view(shape)
+
+    def host(self, t, *, read, write):
+        """A contiguous CPU tensor with `t`'s shape and dtype that the core may use: `t` itself
+        when possible, else a staged copy (filled when `read`, copied back when `write`)."""
+        if self.direct(t):
+            self.keep.append(t)
+            return t
+        h = self._tmp(t, tuple(t.shape), t.dtype)
+        self.keep.append(h)
+        if read:
+            with torch.no_grad():
+                h.copy_(t)  # blocking: waits for the kernels that produce `t` on its stream
+        if write:
+            self._add_back(t, h)
+        return h
+
+    def flat(self, ts, *, read, write, dtype=None):
+        """One contiguous 1-D host tensor holding `ts` one after the other: a view over their
+        storage when they already lie that way on the CPU (zero copy), else a staged copy."""
+        dtype = dtype if dtype is not None else ts[0].dtype
+        total = sum(t.numel() for t in ts)
+        if not self._force:
+            v = adjacent_view(ts, dtype, total)
+            if v is not None:
+                self.keep.append(v)
+                self.keep.extend(ts)
+                return v
+        h = self._tmp(ts[0] if ts else torch.empty(0), (total,), dtype)
+        self.keep.append(h)
+        off = 0
+        for t in ts:
+            n = t.numel()
+            part = h[off : off + n].view(t.shape)
+            if read and n:
+                with torch.no_grad():
+                    part.copy_(t)
+            if write and n:
+                self._add_back(t, part)
+            off += n
+        return h
+
+    def _add_back(self, dst, src):
+        ctx = _stream_ctx(dst)
+        if dst.device.type == "mps":
+            self._sync_mps = True
+        self._after.append((dst, src, ctx))
+
+    def finish(self, ok=True):
+        """Copies outputs back (when `ok`) and returns the staging memory. Idempotent."""
+        if self._done:
+            return
+        self._done = True
+        try:
+            if ok:
+                with torch.no_grad():
+                    for dst, src, ctx in self._after:
+                        with ctx() if ctx else _NULL:
+                            dst.copy_(src)
+                if self._sync_mps:
+                    torch.mps.synchronize()  # the staging buffer is reused after this
+        finally:
+            self._after = []
+            self.keep = []
+            for b in self._pooled:
+                self._pool.release(b)
+            self._pooled = []
+
+
+def adjacent_view(ts, dtype, total):
+    """A 1-D tensor over `ts` if they are contiguous CPU tensors of `dtype` lying back to back in
+    one storage, in order; else None."""
+    first = None
+    ptr = None
+    for t in ts:
+        if t.device.type != "cpu" or t.dtype != dtype or not t.is_contiguous():
+            return None
+        if t.numel() == 0:
+            continue
+        if first is None:
+            first = t
+            ptr = t.data_ptr()
+            sptr = t.untyped_storage().data_ptr()
+        elif t.data_ptr() != ptr or t.untyped_storage().data_ptr() != sptr:
+            return None
+        ptr += t.numel() * t.element_size()
+    if first is None:
+        return torch.empty(0, dtype=dtype)
+    v = torch.empty(0, dtype=dtype)
+    v.set_(first.untyped_storage(), first.storage_offset(), (total,), (1,))
+    return v

@@ -1,0 +1,341 @@
+"""torch Work objects for plait operations, and the thread that completes their futures.
+
+`PlaitWork.wait()` blocks inside the core (GIL released) and raises the operation's error. Its
+future is made on demand (`get_future()`); a dedicated completion thread per group completes it,
+never a thread that moves bytes, so a `.then()` callback may issue another collective. A failed
+operation errors the future at the C++ level: the future handed out is `base.then(check)`, and
+`check` raises, which is how torch marks a child future failed (setting an exception *value* on a
+Python future is not seen by C++ consumers such as DDP's reducer).
+"""
+
+import datetime
+import queue
+import threading
+
+import torch
+import torch.distributed as dist
+
+from .. import _core
+from .._core import BrokenError, PlaitError, PlaitTimeoutError
+
+_POLL = 1.0  # seconds: the longest a Python-side wait blocks before it looks around again
+
+_MIRRORS = {}
+_MIRRORS_LOCK = threading.Lock()
+
+
+def _mirror_class(cls):
+    with _MIRRORS_LOCK:
+        m = _MIRRORS.get(cls)
+        if m is None:
+            base = getattr(dist, "DistBackendError", RuntimeError)
+            m = type(cls.__name__, (cls, base), {"__module__": "plait.torch", "__doc__": cls.__doc__})
+            _MIRRORS[cls] = m
+        return m
+
+
+def torch_error(exc):
+    """`exc` (a plait error) as an instance of a class that is both its plait class and torch's
+    DistBackendError (a RuntimeError), so `except RuntimeError`, `except dist.DistBackendError`
+    and `except plait.PeerError` all catch it."""
+    if not isinstance(exc, PlaitError) or isinstance(exc, getattr(dist, "DistBackendError", RuntimeError)):
+        return exc
+    e = _mirror_class(type(exc))(*exc.args)
+    e.__cause__ = exc.__cause__
+    return e
+
+
+def seconds(timeout):
+    """A torch timeout argument as seconds, or None for "no limit" (None, 0 or negative)."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, datetime.timedelta):
+        timeout = timeout.total_seconds()
+    timeout = float(timeout)
+    return timeout if timeout > 0 else None
+
+
+class Done:
+    """A completion that a Python thread signals (point-to-point lanes)."""
+
+    __slots__ = ("_ev", "_err", "_source")
+
+    def __init__(self):
+        self._ev = threading.Event()
+        self._err = None
+        self._source = -1
+
+    def set(self, err=None, source=-1):
+        self._err = err
+        self._source = source
+        self._ev.set()
+
+    def wait(self, timeout=None):
+        if not self._ev.wait(timeout):
+            return False
+        if self._err is not None:
+            raise self._err
+        return True
+
+    def is_completed(self):
+        return self._ev.is_set()
+
+    def source(self):
+        return self._source
+
+
+class _Failure:
+    __slots__ = ("error",)
+
+    def __init__(self, error):
+        self.error = error
+
+
+def _check(fut):
+    v = fut.value()
+    if isinstance(v, _Failure):
+        raise v.error
+    return v
+
+
+class PlaitWork(dist.Work):
+    """One torch-level operation: one or more core operations (`parts`), the output tensors, and
+    what to do when they end (`finish(ok)`: copy back staged outputs, free staging memory)."""
+
+    def __init__(self, group, parts, outputs, finish=None, what="operation"):
+        super().__init__()
+        self._group = group
+        self._parts = parts
+        self._outputs = outputs
+        self._finish_cb = finish
+        self._what = what
+        self._lock = threading.Lock()
+        self._settled = False
+        self._error = None
+        self._future = None
+        self._base = None
+        self._source = -1
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _wait_parts(self, timeout):
+        """True when every part is done, False if `timeout` (seconds or None) passed first.
+        Raises the first part's error."""
+        deadline = None if timeout is None else _now() + timeout
+        for p in self._parts:
+            while True:
+                left = _POLL if deadline is None else min(_POLL, deadline - _now())
+                if left <= 0:
+                    if p.is_completed():
+                        p.wait(0.001)
+                        break
+                    return False
+                if p.wait(left):
+                    break
+        return True
+
+    def _settle(self, error):
+        """Runs once: records the outcome and runs the finish callback (copy-back)."""
+        with self._lock:
+            if self._settled:
+                return
+            if error is None:
+                # Some parts may still be running when another failed; only settle when all are
+                # done or the group is broken (then they fail promptly).
+                pass
+            try:
+                if self._finish_cb is not None:
+                    self._finish_cb(error is None)
+            except BaseException as e:  # a copy-back failed: that is the op's error
+                if error is None:
+                    error = e
+            if error is not None and self._parts:
+                # Other parts may still be running on the core: they fail promptly on the broken
+                # communicator; wait for them (bounded) so no buffer is freed under them.
+                for p in self._parts:
+                    for _ in range(30):
+                        try:
+                            if p.wait(_POLL):
+                                break
+                        except BaseException:
+                            break
+            if error is not None and not isinstance(error, BaseException):  # pragma: no cover
+                error = RuntimeError(str(error))
+            self._error = torch_error(error) if error is not None else None
+            for p in self._parts:
+                if isinstance(p, Done):
+                    self._source = p.source()
+                else:
+                    try:
+                        s = p.source()
+                        if s >= 0:
+                            self._source = s
+                    except Exception:
+                        pass
+            self._parts = []
+            self._finish_cb = None
+            self._settled = True
+
+    def _settle_if_complete(self):
+        if self._settled:
+            return True
+        parts = self._parts
+        if not all(p.is_completed() for p in parts):
+            return False
+        err = None
+        try:
+            self._wait_parts(1.0)
+        except BaseException as e:
+            err = e
+        self._settle(err)
+        return True
+
+    def _run_to_end(self):
+        """Completion thread: wait (bounded steps), settle, complete the future."""
+        err = None
+        try:
+            while not self._wait_parts(_POLL):
+                pass
+        except BaseException as e:
+            err = e
+        self._settle(err)
+        self._complete_future()
+
+    def _complete_future(self):
+        base = self._base
+        if base is None or base.done():
+            return
+        if self._error is not None:
+            base.set_result(_Failure(self._error))
+        else:
+            base.set_result(self._outputs)
+
+    # -- torch API -----------------------------------------------------------------------------
+
+    def wait(self, timeout=None):
+        t = seconds(timeout)
+        if not self._settled:
+            try:
+                ok = self._wait_parts(t)
+            except BaseException as e:
+                self._settle(e)
+                raise self._error from None
+            if not ok:
+                raise torch_error(
+                    PlaitTimeoutError(f"plait: {self._what} did not complete within the {t:g} s wait() timeout (it is still in flight)")
+                )
+            self._settle(None)
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def is_completed(self):
+        return self._settle_if_complete()
+
+    def is_success(self):
+        return self._settle_if_complete() and self._error is None
+
+    def exception(self):
+        self._settle_if_complete()
+        return self._error
+
+    def result(self):
+        return list(self._outputs)
+
+    def source_rank(self):
+        self._settle_if_complete()
+        if self._source < 0:
+            raise RuntimeError("plait: source_rank() is only defined for a completed receive from any source")
+        return self._source
+
+    def _source_rank(self):
+        return self.source_rank()
+
+    def synchronize(self):
+        # Outputs are on the host (or copied back synchronously on the issuing stream) by the
+        # time the op completes; nothing to order on a device stream.
+        return None
+
+    def get_future(self):
+        with self._lock:
+            if self._future is not None:
+                return self._future
+            self._base = torch.futures.Future()
+            self._future = self._base.then(_check)
+            settled = self._settled
+        if settled:
+            self._complete_future()
+        elif self._settle_if_complete():
+            self._complete_future()
+        else:
+            self._group.completer.submit(self)
+        return self._future
+
+    def __repr__(self):
+        state = "failed" if self._error is not None else ("done" if self._settled else "in flight")
+        return f"<plait Work {self._what}: {state}>"
+
+
+def completed_work(group, outputs, what):
+    """A Work that is already done (ops with nothing to send)."""
+    return PlaitWork(group, [], outputs, None, what)
+
+
+_STOP = object()
+
+
+class Completer:
+    """The per-group thread that completes futures. Started on first use, joined at shutdown."""
+
+    def __init__(self, name):
+        self._name = name
+        self._q = queue.SimpleQueue()
+        self._thread = None
+        self._lock = threading.Lock()
+        self._stopped = False
+
+    def submit(self, work):
+        with self._lock:
+            if self._stopped:
+                work._settle(BrokenError("plait: the process group was shut down"))
+                work._complete_future()
+                return
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name=f"plait-complete-{self._name}", daemon=True)
+                self._thread.start()
+        self._q.put(work)
+
+    def _run(self):
+        while True:
+            w = self._q.get()
+            if w is _STOP:
+                return
+            try:
+                w._run_to_end()
+            except BaseException:  # pragma: no cover - never let this thread die silently
+                import traceback
+
+                traceback.print_exc()
+
+    def in_thread(self):
+        return self._thread is not None and threading.current_thread() is self._thread
+
+    def stop(self, timeout=30.0):
+        """Finishes the queued works (their ops have already failed or ended) and joins."""
+        with self._lock:
+            self._stopped = True
+            t = self._thread
+        if t is None:
+            return
+        self._q.put(_STOP)
+        if t is not threading.current_thread():
+            t.join(timeout)
+
+
+def _now():
+    import time
+
+    return time.monotonic()
+
+
+__all__ = ["PlaitWork", "Completer", "Done", "torch_error", "seconds", "completed_work", "_core"]

@@ -1,0 +1,210 @@
+"""Parent side of the multi-process tests: start a world of N worker processes on loopback (each runs
+`worker.py <cases module>`), optionally steer it (kill or stop a rank), collect each rank's JSON
+events, and always kill every process at the end. Every wait here has a deadline."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from kvstore import KVServer
+
+HERE = Path(__file__).resolve().parent
+WORKER = HERE / "worker.py"
+NOTES = []  # lines printed in pytest's terminal summary (conftest.py)
+
+
+def note(line):
+    """Records a measurement for the end-of-run summary (and prints it, visible with -s)."""
+    NOTES.append(line)
+    print(line)
+
+
+class World:
+    def __init__(self, cases, n, *, args, env, store):
+        self.n = n
+        self.dir = Path(tempfile.mkdtemp(prefix=f"plait-{cases}-{n}-"))
+        if store == "torch":
+            import datetime
+
+            from torch.distributed import TCPStore
+
+            self.store = TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=60),
+                                  wait_for_workers=False)
+        else:
+            self.store = KVServer()
+        self._server = self.store
+        full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
+        self.procs = []
+        try:
+            for r in range(n):
+                cmd = [sys.executable, str(WORKER), cases, str(r), str(n), store, str(self.store.port),
+                       str(self.events_path(r)), json.dumps(args or {})]
+                with open(self.dir / f"{r}.log", "wb") as log:
+                    self.procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env,
+                                                       cwd=HERE, start_new_session=True))
+        except BaseException:
+            self.kill_all()
+            raise
+        self.pids = [p.pid for p in self.procs]
+
+    def events_path(self, r):
+        return self.dir / f"{r}.jsonl"
+
+    # -- steering (used by fault tests) --------------------------------------------------------
+    def wait_keys(self, keys, timeout):
+        import datetime
+
+        self.store.wait(list(keys), datetime.timedelta(seconds=timeout))
+
+    def send_signal(self, rank, sig):
+        try:
+            os.killpg(self.procs[rank].pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def wait_ranks(self, ranks, timeout):
+        """Waits until the given ranks exit; False if the deadline passed first."""
+        deadline = time.monotonic() + timeout
+        for r in ranks:
+            try:
+                self.procs[r].wait(max(0.01, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                return False
+        return True
+
+    # -- end ------------------------------------------------------------------------------------
+    def finish(self, timeout):
+        """Waits for every rank (up to timeout), then kills whatever is left. Returns the result."""
+        t0 = time.monotonic()
+        timed_out = not self.wait_ranks(range(self.n), timeout)
+        self.kill_all()
+        return WorldResult(self, timed_out, time.monotonic() - t0)
+
+    def kill_all(self):
+        for p in self.procs:
+            if p.poll() is None:
+                for sig in (signal.SIGCONT, signal.SIGKILL):
+                    try:
+                        os.killpg(p.pid, sig)
+                    except ProcessLookupError:
+                        pass
+        for p in self.procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            self._server.close() if hasattr(self._server, "close") else None
+        except Exception:
+            pass
+
+
+class WorldResult:
+    def __init__(self, world, timed_out, elapsed):
+        self.n = world.n
+        self.dir = world.dir
+        self.timed_out = timed_out
+        self.elapsed = elapsed
+        self.returncodes = [p.returncode for p in world.procs]
+        self.events = [_read_events(world.events_path(r)) for r in range(world.n)]
+
+    def of(self, rank, ev):
+        return [e for e in self.events[rank] if e.get("ev") == ev]
+
+    def done(self, rank):
+        d = self.of(rank, "done")
+        return d[0] if d else None
+
+    def log_tail(self, rank, lines=25):
+        try:
+            text = (self.dir / f"{rank}.log").read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        return "\n".join(text[-lines:])
+
+    def problems(self, ranks=None, expect_fail=False):
+        """Human-readable list of everything that went wrong on the given ranks."""
+        out = []
+        if self.timed_out:
+            out.append(f"world did not finish in time (killed); logs in {self.dir}")
+        for r in range(self.n) if ranks is None else ranks:
+            if not expect_fail:
+                for e in self.of(r, "fail"):
+                    out.append(f"rank {r}: {e['case']}: {e['msg']}")
+            if self.done(r) is None or self.returncodes[r] != 0:
+                out.append(f"rank {r}: exit code {self.returncodes[r]}, done={self.done(r) is not None}; "
+                           f"log tail:\n{self.log_tail(r)}")
+        return out
+
+    def assert_ok(self, ranks=None, limit=40):
+        problems = self.problems(ranks)
+        if problems:
+            shown = "\n".join(problems[:limit])
+            more = f"\n... and {len(problems) - limit} more" if len(problems) > limit else ""
+            raise AssertionError(f"{len(problems)} problem(s) in the {self.n}-rank world:\n{shown}{more}")
+
+
+def _read_events(path):
+    events = []
+    try:
+        with open(path) as f:
+            for line in f:
+                try:
+                    events.append(json.loads(line))
+                except ValueError:
+                    pass  # a line cut short by a kill
+    except OSError:
+        pass
+    return events
+
+
+def run_world(cases, n, *, args=None, env=None, store="py", timeout=300, control=None):
+    """Runs `cases` (a module in tests/ with run(ctx)) on n ranks. `control(world)` runs in this
+    process while the world is alive. Returns a WorldResult; every process is dead afterwards."""
+    world = World(cases, n, args=args, env=env, store=store)
+    started = time.monotonic()
+    try:
+        if control is not None:
+            control(world)
+        return world.finish(max(1.0, timeout - (time.monotonic() - started)))
+    finally:
+        world.kill_all()
+
+
+def listening_ports(pid):
+    """TCP ports that process `pid` listens on (from /proc; Linux only)."""
+    inodes = set()
+    try:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    except OSError:
+        return []
+    ports = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                next(f)
+                for line in f:
+                    parts = line.split()
+                    if parts[3] == "0A" and parts[9] in inodes:  # 0A = LISTEN
+                        ports.add(int(parts[1].rsplit(":", 1)[1], 16))
+        except OSError:
+            pass
+    return sorted(ports)
+
+
+def assert_same_digests(res):
+    """Results each rank hashed (ctx.digests) must be identical on every rank."""
+    digests = [(res.done(r) or {}).get("digests", {}) for r in range(res.n)]
+    differ = [k for k in digests[0] if any(d.get(k) != digests[0][k] for d in digests[1:])]
+    assert not differ, f"results differ between ranks for: {differ[:10]}"

@@ -1,0 +1,162 @@
+"""PyTorch's own DistributedTest suite against a torch.distributed backend (plait by default).
+
+    python tests/torch/run_conformance.py                     # the CI subset (plait, WORLD_SIZE 3)
+    python tests/torch/run_conformance.py --full              # every test
+    python tests/torch/run_conformance.py --backend gloo --full
+    python tests/torch/run_conformance.py -k test_all_reduce  # unittest -k patterns
+
+Each test spawns WORLD_SIZE fresh processes; tests gated on BACKEND == "gloo"/"nccl" skip
+themselves. This file is re-imported by the spawned children, so the environment is set up at
+import time.
+"""
+
+import json
+import os
+import sys
+
+os.environ.setdefault("BACKEND", "plait")
+os.environ.setdefault("WORLD_SIZE", "3")
+os.environ.setdefault("TEMP_DIR", "/tmp")
+
+if os.environ["BACKEND"] == "plait":
+    import plait.torch  # noqa: F401  registers the backend (children re-import this module)
+
+from torch.testing._internal.common_distributed import DistTestCases  # noqa: E402
+
+# "ddp" and "subgroup" gate most tests; "gpu" and "plugin" gate a few CPU tests (object
+# collectives, DDP bucket caps...) that gloo runs on CPU. The same sets are used for every backend.
+for _feature in ("ddp", "subgroup", "gpu", "plugin"):
+    DistTestCases.backend_feature[_feature].add(os.environ["BACKEND"])
+
+from torch.testing._internal.distributed.distributed_test import (  # noqa: E402
+    DistributedTest,
+    TestDistBackend,
+)
+
+
+_PRELOAD = ["torch", "torch.distributed", "torch.testing._internal.distributed.distributed_test"]
+if os.environ["BACKEND"] == "plait":
+    _PRELOAD.append("plait.torch")
+
+
+class TestConformance(TestDistBackend, DistributedTest._DistTestBase):
+    def setUp(self):
+        super().setUp()
+        if os.environ.get("CONFORMANCE_START", "forkserver") == "spawn":
+            self._spawn_processes()
+        else:
+            # A fork server that has imported torch once: each test's WORLD_SIZE processes start
+            # in milliseconds instead of re-importing torch (seconds each on a small machine).
+            import multiprocessing
+
+            ctx = multiprocessing.get_context("forkserver")
+            ctx.set_forkserver_preload(_PRELOAD)
+            # Children of the fork server inherit *its* environment, not this test's (TEMP_DIR
+            # and INIT_METHOD change per test): hand it over through a file next to the
+            # rendezvous file.
+            with open(self.file_name + ".env.json", "w") as f:
+                json.dump(dict(os.environ), f)
+            self._start_processes(ctx.Process)
+
+    def tearDown(self):
+        super().tearDown()
+        try:
+            os.remove(self.file_name + ".env.json")
+        except OSError:
+            pass
+
+    @classmethod
+    def _run(cls, rank, test_name, file_name, pipe, **kwargs):
+        try:
+            with open(file_name + ".env.json") as f:
+                env = json.load(f)
+        except OSError:
+            env = None
+        if env is not None:
+            os.environ.clear()
+            os.environ.update(env)
+        super()._run(rank, test_name, file_name, pipe, **kwargs)
+
+
+# The CI subset: every collective (sync, async, subgroup and full-group forms, the dtypes plait
+# adds), object collectives, p2p, barrier, and DDP. See tests/torch/README.md for the rationale.
+CI_SUBSET = [
+    "test_all_reduce_sum", "test_all_reduce_sum_async", "test_all_reduce_group_sum",
+    "test_all_reduce_full_group_sum", "test_all_reduce_product", "test_all_reduce_min", "test_all_reduce_max",
+    "test_all_reduce_sum_complex", "test_all_reduce_result_cuda",
+    "test_all_reduce_coalesced_sum", "test_all_reduce_coalesced_max", "test_all_reduce_coalesced_group_sum",
+    "test_all_reduce_coalesced_full_group_max",
+    "test_reduce_sum", "test_reduce_group_max", "test_reduce_full_group_min", "test_reduce_product",
+    "test_broadcast", "test_broadcast_group", "test_broadcast_full_group",
+    "test_all_gather", "test_all_gather_group", "test_all_gather_full_group", "test_all_gather_complex",
+    "test_all_gather_into_tensor_ops", "test_all_gather_into_tensor_basic",
+    "test_all_gather_coalesced_simple", "test_all_gather_v",
+    "test_gather", "test_gather_group", "test_gather_full_group",
+    "test_scatter", "test_scatter_group", "test_scatter_full_group", "test_scatter_complex",
+    "test_reduce_scatter_tensor", "test_reduce_scatter_v",
+    "test_all_to_all", "test_all_to_all_group", "test_all_to_all_single_equal_split",
+    "test_all_to_all_single_unequal_split", "test_all_to_all_single_unequal_split_group",
+    "test_all_to_all_full_group",
+    "test_barrier", "test_barrier_group", "test_barrier_full_group", "test_barrier_timeout_global",
+    "test_send_recv", "test_send_recv_any_source", "test_send_recv_with_tag", "test_isend",
+    "test_irecv", "test_batch_isend_irecv_op_list_err",
+    "test_all_gather_object_default_pg", "test_gather_object", "test_broadcast_object_list",
+    "test_scatter_object_list",
+    "test_new_subgroups", "test_new_subgroups_by_enumeration", "test_backend_group", "test_backend_full_group",
+    "test_get_rank_size_group", "test_get_backend", "test_destroy_group", "test_destroy_full_group",
+    "test_DistributedDataParallel_SyncBatchNorm", "test_ddp_comm_hook_logging",
+    "test_DistributedDataParallelCPU", "test_DistributedDataParallelCPU_grad_is_view",
+    "test_ddp_unused_params_rebuild_buckets_exception", "test_ddp_shared_grad_acc_unused_params",
+    "test_ddp_no_sync", "test_ddp_static_graph_nested_types", "test_ddp_hook_parity_allreduce",
+    "test_ddp_zero_output_features", "test_ddp_logging_data_cpu", "test_ddp_control_flow_same_across_ranks",
+]
+
+
+def main(argv):
+    import argparse
+    import unittest
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--backend", default=None)
+    ap.add_argument("--world-size", default=None)
+    ap.add_argument("--full", action="store_true", help="run every test, not the CI subset")
+    ap.add_argument("-k", action="append", default=[], help="unittest -k pattern (repeatable)")
+    ap.add_argument("--list", action="store_true", help="print the selected test names and exit")
+    ap.add_argument("-v", action="store_true")
+    ap.add_argument("--spawn", action="store_true", help="start each test's processes with spawn (slow)")
+    a = ap.parse_args(argv)
+    if a.backend or a.world_size:  # re-exec so that children see the environment at import
+        env = dict(os.environ)
+        if a.backend:
+            env["BACKEND"] = a.backend
+        if a.world_size:
+            env["WORLD_SIZE"] = a.world_size
+        args = [x for x in argv if x not in ("--backend", a.backend, "--world-size", a.world_size)]
+        os.execve(sys.executable, [sys.executable, os.path.abspath(__file__)] + args, env)
+    if a.spawn:
+        os.environ["CONFORMANCE_START"] = "spawn"
+    loader = unittest.TestLoader()
+    if a.k:
+        loader.testNamePatterns = [p if "*" in p else f"*{p}*" for p in a.k]
+    names = loader.getTestCaseNames(TestConformance)
+    if not a.full and not a.k:
+        present = set(names)
+        missing = [n for n in CI_SUBSET if n not in present]
+        if missing:
+            print(f"note: not in this torch's suite: {missing}", file=sys.stderr)
+        names = [n for n in CI_SUBSET if n in present]
+    if a.list:
+        print("\n".join(names))
+        return 0
+    suite = unittest.TestSuite(TestConformance(n) for n in names)
+    res = unittest.TextTestRunner(verbosity=2 if a.v else 1).run(suite)
+    skipped = len(res.skipped)
+    failed = len(res.failures) + len(res.errors)
+    passed = res.testsRun - skipped - failed - len(res.expectedFailures) - len(res.unexpectedSuccesses)
+    print(f"\nbackend={os.environ['BACKEND']} world_size={os.environ['WORLD_SIZE']}: "
+          f"{res.testsRun} run, {passed} passed, {skipped} skipped, {failed} failed")
+    return 0 if res.wasSuccessful() else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
