@@ -47,6 +47,9 @@ pub struct PeerLink {
     pub peer: usize,
     pub addr: String,
     stream: TcpStream,
+    /// The writing end, shared by the sender thread and callers that write small frames
+    /// themselves when the link is idle (one thread hand-off less per small message).
+    writer: Arc<Mutex<Writer>>,
     queue: Sender<SendReq>,
     urgent: Sender<SendReq>,
     /// Nanoseconds since `epoch_start` when the last byte arrived from this peer.
@@ -69,10 +72,17 @@ impl PeerLink {
         let epoch_start = Instant::now();
         let last_rx = Arc::new(AtomicU64::new(0));
         let closing = Arc::new(AtomicBool::new(false));
+        let writer = Arc::new(Mutex::new(Writer {
+            stream: stream.try_clone()?,
+            scratch: Vec::with_capacity(HEADER_LEN + EAGER_MAX),
+            last_tx: Instant::now(),
+            failed: None,
+        }));
         let link = Arc::new(PeerLink {
             peer,
             addr,
             stream: stream.try_clone()?,
+            writer: writer.clone(),
             queue,
             urgent,
             last_rx: last_rx.clone(),
@@ -80,7 +90,6 @@ impl PeerLink {
             closing: closing.clone(),
             threads: Mutex::new(Vec::new()),
         });
-        let writer = stream.try_clone()?;
         let send_closing = closing.clone();
         let sender = std::thread::Builder::new()
             .name(format!("plait-send-{peer}"))
@@ -94,8 +103,19 @@ impl PeerLink {
         Ok(link)
     }
 
-    /// Queues a frame. `done` runs on the sender thread once it is written (or failed).
-    pub fn send(&self, req: SendReq) {
+    /// Queues a frame. `done` runs once it is written (or failed): on this thread when the
+    /// frame is small and the link idle, else on the sender thread.
+    pub fn send(&self, mut req: SendReq) {
+        if req.data.len <= EAGER_MAX && self.queue.is_empty() && self.urgent.is_empty() {
+            if let Some(mut w) = self.writer.try_lock() {
+                let result = w.write(&req);
+                drop(w);
+                if let Some(done) = req.done.take() {
+                    done(result);
+                }
+                return;
+            }
+        }
         if let Err(e) = self.queue.send(req) {
             if let Some(done) = e.into_inner().done {
                 done(Err(io::Error::new(io::ErrorKind::BrokenPipe, "link is closed")));
@@ -140,16 +160,34 @@ impl PeerLink {
     }
 }
 
+struct Writer {
+    stream: TcpStream,
+    scratch: Vec<u8>,
+    last_tx: Instant,
+    failed: Option<io::ErrorKind>,
+}
+
+impl Writer {
+    fn write(&mut self, req: &SendReq) -> io::Result<()> {
+        let result = match self.failed {
+            Some(kind) => Err(io::Error::new(kind, "link failed earlier")),
+            None => write_frame(&mut self.stream, req, &mut self.scratch),
+        };
+        if let Err(e) = &result {
+            self.failed.get_or_insert(e.kind());
+        }
+        self.last_tx = Instant::now();
+        result
+    }
+}
+
 fn send_loop(
-    mut w: TcpStream,
+    writer: Arc<Mutex<Writer>>,
     queue: Receiver<SendReq>,
     urgent: Receiver<SendReq>,
     heartbeat: Duration,
     closing: Arc<AtomicBool>,
 ) {
-    let mut last_tx = Instant::now();
-    let mut scratch: Vec<u8> = Vec::with_capacity(HEADER_LEN + EAGER_MAX);
-    let mut failed: Option<io::ErrorKind> = None;
     loop {
         if closing.load(Ordering::SeqCst) {
             // Every submitter must hear back, even after shutdown.
@@ -163,33 +201,27 @@ fn send_loop(
         let req = match urgent.try_recv() {
             Ok(r) => r,
             Err(_) => {
-                let wait = heartbeat
-                    .saturating_sub(last_tx.elapsed())
-                    .clamp(Duration::from_millis(1), Duration::from_millis(50));
+                let idle = writer.lock().last_tx.elapsed();
+                let wait = heartbeat.saturating_sub(idle).clamp(Duration::from_millis(1), Duration::from_millis(50));
                 crossbeam_channel::select! {
                     recv(urgent) -> r => match r { Ok(r) => r, Err(_) => return },
                     recv(queue) -> r => match r { Ok(r) => r, Err(_) => return },
                     default(wait) => {
-                        if failed.is_none() && last_tx.elapsed() >= heartbeat {
-                            let hb = FrameHeader { kind: FrameKind::Heartbeat as u8, ..Default::default() };
-                            if w.write_all(&hb.encode()).is_err() {
-                                failed = Some(io::ErrorKind::BrokenPipe);
-                            }
-                            last_tx = Instant::now();
+                        let mut w = writer.lock();
+                        if w.failed.is_none() && w.last_tx.elapsed() >= heartbeat {
+                            let hb = SendReq {
+                                header: FrameHeader { kind: FrameKind::Heartbeat as u8, ..Default::default() },
+                                data: SendBuf { ptr: std::ptr::null(), len: 0 },
+                                done: None,
+                            };
+                            let _ = w.write(&hb);
                         }
                         continue;
                     }
                 }
             }
         };
-        let result = match failed {
-            Some(kind) => Err(io::Error::new(kind, "link failed earlier")),
-            None => write_frame(&mut w, &req, &mut scratch),
-        };
-        if let Err(e) = &result {
-            failed.get_or_insert(e.kind());
-        }
-        last_tx = Instant::now();
+        let result = writer.lock().write(&req);
         if let Some(done) = req.done {
             done(result);
         }
@@ -199,7 +231,7 @@ fn send_loop(
 fn write_frame(w: &mut TcpStream, req: &SendReq, scratch: &mut Vec<u8>) -> io::Result<()> {
     let header = req.header.encode();
     // SAFETY: see SendBuf.
-    let payload = unsafe { std::slice::from_raw_parts(req.data.ptr, req.data.len) };
+    let payload: &[u8] = if req.data.len == 0 { &[] } else { unsafe { std::slice::from_raw_parts(req.data.ptr, req.data.len) } };
     if payload.len() <= EAGER_MAX {
         scratch.clear();
         scratch.extend_from_slice(&header);
