@@ -3,6 +3,7 @@
 
 import datetime
 import json
+import os
 import threading
 import time
 
@@ -24,7 +25,7 @@ def _error(ctx, what, e, t0, **extra):
 
 
 def _ready(ctx, **info):
-    ctx.store.set(f"ready/{ctx.rank}", json.dumps(dict(info, pid=__import__("os").getpid())).encode())
+    ctx.store.set(f"ready/{ctx.rank}", json.dumps(dict(info, pid=os.getpid())).encode())
 
 
 def _wait_key(ctx, key, timeout=120):
@@ -138,6 +139,7 @@ def abort(ctx):
     y = comm.allreduce(np.full(4099, me, np.int64))
     ctx.check("abort C: new epoch allreduce", None if np.all(y == n * (n - 1) // 2) else f"got {y[:3]}")
     comm.barrier()
+    ctx.sync("abort C: idle")  # nobody aborts while a peer may still be inside the barrier
     comm.abort("idle abort")
     try:
         comm.allreduce(np.ones(4, np.float32), timeout=5)
@@ -220,7 +222,9 @@ def _mismatch_cases(n):
 
     # name: (setup, ranks whose call must fail, whether some rank must raise MismatchError).
     # Ranks that disagree only on the broadcast root each get data consistent with their own view
-    # (the roots send, rank 2 receives from rank 0), so detection is not required there.
+    # (the roots send, rank 2 receives from rank 0), so detection is not required there. With
+    # counts [10, 20, 30] vs [20, 20, 20], rank 1 receives 20 elements from everyone in either view,
+    # so only the ranks whose sizes differ are sure to see the mismatch.
     every = set(range(n))
     return {
         "allreduce vs broadcast": (allreduce_vs_broadcast, every, True),
@@ -228,7 +232,7 @@ def _mismatch_cases(n):
         "allreduce f32 vs i32": (dtypes, every, True),
         "allreduce sum vs max": (ops, every, True),
         "allreduce 4 MiB f32 vs bf16": (big_dtypes, every, True),
-        "reduce_scatter_v counts differ": (uneven_counts, every, True),
+        "reduce_scatter_v counts differ": (uneven_counts, {0, n - 1}, True),
         "allgather vs alltoall": (allgather_vs_alltoall, every, True),
         "broadcast roots differ": (broadcast_roots, set(), False),
         "send 100 / recv 50 elements": (send_recv_sizes, {1}, True),

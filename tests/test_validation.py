@@ -12,9 +12,9 @@ import plait
 torch_dist = pytest.importorskip("torch.distributed")
 
 
-def _comms(n, **kw):
+def _comms(n, store=None, **kw):
     """n communicators in this process (one thread each while they meet)."""
-    store = torch_dist.HashStore()
+    store = torch_dist.HashStore() if store is None else store
     comms, errors = [None] * n, []
 
     def build(r):
@@ -279,6 +279,25 @@ def test_properties_and_routes(two):
     assert [r["peer"] for r in routes] == [1] and {"local", "remote", "reason"} <= set(routes[0])
     assert a.algorithm_for("allreduce", 1 << 20) in plait._core.algorithms("allreduce")
     assert "rank 0/2" in repr(a)
+
+
+def test_prefix_store_and_groups():
+    """Two groups meet on one PrefixStore at the same time and stay apart."""
+    store = torch_dist.PrefixStore("job7", torch_dist.HashStore())
+    built = {}
+    threads = [threading.Thread(target=lambda g: built.__setitem__(g, _comms(2, store, group=g)), args=(g,),
+                                daemon=True) for g in ("a", "b")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert set(built) == {"a", "b"}
+    ya = _on_all(built["a"], lambda c: c.allreduce(np.full(3, 1 + c.rank, np.int32)))
+    yb = _on_all(built["b"], lambda c: c.allreduce(np.full(3, 10 * (1 + c.rank), np.int32)))
+    assert all(y.tolist() == [3, 3, 3] for y in ya) and all(y.tolist() == [30, 30, 30] for y in yb)
+    assert built["b"][0].group == "b"
+    for c in built["a"] + built["b"]:
+        c.close()
 
 
 def test_close_is_idempotent_and_breaks():

@@ -22,7 +22,7 @@ from ._buffers import (
 from ._core import InvalidArgumentError, PlaitTimeoutError
 from ._dtypes import check_op, core_dtype
 
-_POLL = 0.25  # seconds between checks for Ctrl-C while a blocking call waits
+_POLL = 0.25  # seconds between checks for Ctrl-C while a wait for a Work blocks
 
 
 class Work:

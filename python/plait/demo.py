@@ -52,19 +52,24 @@ def run(nproc=3, quick=False, json_path=None, console=None):
         for p in procs:
             p.wait()
     failed_ranks = [r for r, p in enumerate(procs) if p.returncode != 0 or not results["done"][r]]
-    for r in failed_ranks:
+    for i, r in enumerate(failed_ranks):
         logs[r].seek(0)
-        tail = logs[r].read().decode(errors="replace").strip().splitlines()[-15:]
-        console.print(f"[red]rank {r} exited with {procs[r].returncode}" + (" (timed out)" if timed_out else ""))
+        tail = logs[r].read().decode(errors="replace").strip().splitlines()[-15 if i == 0 else -1:]
+        console.print(f"[red]rank {r} exited with status {procs[r].returncode}"
+                      + (" (killed after the time limit)" if timed_out else "") + ":")
         for line in tail:
             console.print(f"  {line}", markup=False, highlight=False)
     summary = _report(console, nproc, results)
     if json_path:
         with open(json_path, "w") as f:
             json.dump(summary, f, indent=2)
-    ok = not failed_ranks and summary["failed"] == 0
-    console.print("[bold green]all checks passed" if ok else f"[bold red]{summary['failed']} check(s) failed")
-    return 0 if ok else 1
+    if failed_ranks:
+        console.print(f"[bold red]{len(failed_ranks)} of {nproc} ranks failed")
+    elif summary["failed"]:
+        console.print(f"[bold red]{summary['failed']} check(s) failed")
+    else:
+        console.print("[bold green]all checks passed")
+    return 1 if failed_ranks or summary["failed"] else 0
 
 
 def _read(rank, stream, events):
@@ -124,7 +129,8 @@ def _report(console, n, results):
         ms = max(e["ms"] for e in per_rank.values())
         table.add_row(name, detail, "[green]ok" if ok else f"[red]FAILED {'; '.join(errs)[:200]}", f"{ms:.2f} ms")
         out["collectives"].append({"name": name, "detail": detail, "ok": ok, "ms": ms, "errors": errs})
-    console.print(table)
+    if table.row_count:
+        console.print(table)
 
     table = Table(title=f"allreduce sweep: f32, {n} ranks, busbw = algbw x 2(n-1)/n")
     for col in ("size", "algorithm", "time p50", "algbw GB/s", "busbw GB/s", "check"):
@@ -141,7 +147,8 @@ def _report(console, n, results):
         table.add_row(_size(nbytes), algo, _time(t), f"{algbw:.2f}", f"{busbw:.2f}", "[green]ok" if ok else "[red]WRONG")
         out["sweep"].append({"bytes": nbytes, "algorithm": algo, "p50_s": t, "algbw_GBps": algbw,
                              "busbw_GBps": busbw, "ok": ok})
-    console.print(table)
+    if table.row_count:
+        console.print(table)
 
     lines = []
     if results["p2p"]:
@@ -158,6 +165,8 @@ def _report(console, n, results):
     else:
         failed += 1
         lines.append("[red]the raw TCP reference was not measured")
+    if not results["coll"]:
+        failed += 1
     for line in lines:
         console.print(line)
     out["failed"] = failed

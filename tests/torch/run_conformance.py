@@ -18,7 +18,7 @@ os.environ.setdefault("BACKEND", "plait")
 os.environ.setdefault("WORLD_SIZE", "3")
 os.environ.setdefault("TEMP_DIR", "/tmp")
 
-if os.environ["BACKEND"] == "plait":
+if os.environ["BACKEND"] == "plait" or os.environ.get("PLAIT_AS_GLOO") == "1":
     import plait.torch  # noqa: F401  registers the backend (children re-import this module)
 
 from torch.testing._internal.common_distributed import DistTestCases  # noqa: E402
@@ -34,8 +34,18 @@ from torch.testing._internal.distributed.distributed_test import (  # noqa: E402
 )
 
 
+def _plait_as_gloo():
+    """--as-gloo: the suite believes it runs gloo (so gloo-gated tests run) while every group is
+    made by plait's creator."""
+    import torch.distributed as dist
+
+    from plait.torch.backend import create
+
+    dist.Backend._plugins["GLOO"] = dist.Backend._BackendPlugin(create, True)
+
+
 _PRELOAD = ["torch", "torch.distributed", "torch.testing._internal.distributed.distributed_test"]
-if os.environ["BACKEND"] == "plait":
+if os.environ["BACKEND"] == "plait" or os.environ.get("PLAIT_AS_GLOO") == "1":
     _PRELOAD.append("plait.torch")
 
 
@@ -75,6 +85,8 @@ class TestConformance(TestDistBackend, DistributedTest._DistTestBase):
         if env is not None:
             os.environ.clear()
             os.environ.update(env)
+        if os.environ.get("PLAIT_AS_GLOO") == "1":
+            _plait_as_gloo()
         super()._run(rank, test_name, file_name, pipe, **kwargs)
 
 
@@ -124,8 +136,17 @@ def main(argv):
     ap.add_argument("--list", action="store_true", help="print the selected test names and exit")
     ap.add_argument("-v", action="store_true")
     ap.add_argument("--spawn", action="store_true", help="start each test's processes with spawn (slow)")
+    ap.add_argument("--json", default=None, help="write per-test outcomes to this file")
+    ap.add_argument("--as-gloo", action="store_true",
+                    help="run the suite as if BACKEND were gloo (gloo-gated tests run) with plait making every group")
     a = ap.parse_args(argv)
-    if a.backend or a.world_size:  # re-exec so that children see the environment at import
+    if a.as_gloo and os.environ.get("PLAIT_AS_GLOO") != "1":
+        env = dict(os.environ, BACKEND="gloo", PLAIT_AS_GLOO="1")
+        if a.world_size:
+            env["WORLD_SIZE"] = a.world_size
+        args = [x for x in argv if x not in ("--world-size", a.world_size)]
+        os.execve(sys.executable, [sys.executable, os.path.abspath(__file__)] + args, env)
+    if (a.backend or a.world_size) and not a.as_gloo:  # re-exec so that children see the environment at import
         env = dict(os.environ)
         if a.backend:
             env["BACKEND"] = a.backend
@@ -150,10 +171,19 @@ def main(argv):
         return 0
     suite = unittest.TestSuite(TestConformance(n) for n in names)
     res = unittest.TextTestRunner(verbosity=2 if a.v else 1).run(suite)
+    if a.json:
+        outcome = {n: "passed" for n in names}
+        for t, why in res.skipped:
+            outcome[t._testMethodName] = "skipped: " + str(why)
+        for t, tb in res.failures + res.errors:
+            outcome[getattr(t, "_testMethodName", str(t))] = "failed: " + tb.strip().splitlines()[-1][:300]
+        with open(a.json, "w") as f:
+            json.dump(outcome, f, indent=1, sort_keys=True)
     skipped = len(res.skipped)
     failed = len(res.failures) + len(res.errors)
     passed = res.testsRun - skipped - failed - len(res.expectedFailures) - len(res.unexpectedSuccesses)
-    print(f"\nbackend={os.environ['BACKEND']} world_size={os.environ['WORLD_SIZE']}: "
+    label = "plait (as gloo)" if os.environ.get("PLAIT_AS_GLOO") == "1" else os.environ["BACKEND"]
+    print(f"\nbackend={label} world_size={os.environ['WORLD_SIZE']}: "
           f"{res.testsRun} run, {passed} passed, {skipped} skipped, {failed} failed")
     return 0 if res.wasSuccessful() else 1
 

@@ -14,16 +14,16 @@ pub enum PlaitError {
     #[error("{0}")]
     Config(String),
     /// A peer died, closed or reset its connection, or sent something unintelligible.
-    #[error("{op}: peer rank {peer} ({addr}) {what} after {waited:.3?}")]
+    #[error("{}peer rank {peer}{} {what}{}", op_prefix(op), addr_part(addr), waited_part(waited))]
     Peer { op: String, peer: usize, addr: String, what: String, waited: Duration },
     /// A deadline passed.
-    #[error("{op}: timed out after {waited:.3?} waiting for {waiting_on}")]
+    #[error("{}timed out after {waited:.3?} waiting for {waiting_on}", op_prefix(op))]
     Timeout { op: String, waiting_on: String, waited: Duration },
     /// Ranks disagree on what they are doing (collective, dtype, count, op, root).
-    #[error("{op}: mismatch with rank {peer}: {detail}")]
+    #[error("{}mismatch with rank {peer}: {detail}", op_prefix(op))]
     Mismatch { op: String, peer: usize, detail: String },
     /// `abort()` was called.
-    #[error("{op}: aborted ({reason})")]
+    #[error("{}aborted ({reason})", op_prefix(op))]
     Aborted { op: String, reason: String },
     /// The communicator already failed (or was closed); it must be rebuilt.
     #[error("communicator is no longer usable: {0}")]
@@ -32,6 +32,30 @@ pub enum PlaitError {
     Rendezvous(String),
     #[error("I/O: {0}")]
     Io(String),
+}
+
+fn op_prefix(op: &str) -> String {
+    if op.is_empty() {
+        String::new()
+    } else {
+        format!("{op}: ")
+    }
+}
+
+fn addr_part(addr: &str) -> String {
+    if addr.is_empty() {
+        String::new()
+    } else {
+        format!(" ({addr})")
+    }
+}
+
+fn waited_part(waited: &Duration) -> String {
+    if waited.is_zero() {
+        String::new()
+    } else {
+        format!(" after {waited:.3?}")
+    }
 }
 
 impl PlaitError {

@@ -60,6 +60,9 @@ class _Group:
         self._inflight = collections.deque()
         self._lock = threading.Lock()
         self.closed = False
+        self.store = None
+        self.mb_seq = 0
+        self.owner = None  # weakref to the torch-facing object (for profiler labels)
         self.wire = stg.WIRE_DTYPE.get(opts.wire_dtype)
         _GROUPS.add(self)
 
@@ -78,7 +81,7 @@ class _Group:
         """Whether a call may run on the caller's thread: it must be blocking (torch says so in
         opts.asyncOp), small enough, and nothing else of this group may be in flight."""
         mode = self.opts.inline
-        if mode == "never":
+        if mode == "never" or _profiling():
             return False
         if getattr(opts, "asyncOp", True) is not False:
             return False
@@ -102,9 +105,11 @@ class _Group:
             self._inflight.append(w)
         return w
 
-    def work(self, parts, outputs, st, what):
+    def work(self, parts, outputs, st, what, inputs=()):
         fin = st.finish if st is not None else None
         w = PlaitWork(self, parts, outputs, fin, what)
+        if _profiling():
+            _profile(self, w, what, inputs)
         return w
 
     def shutdown(self, abort_reason=None):
@@ -121,6 +126,38 @@ class _Group:
             self.completer.stop()
             self.pool.clear()
             _GROUPS.discard(self)
+
+
+_PROF_NAMES = {
+    "all_to_all_single": "all_to_all",
+    "recv from any rank": "recvAnySource",
+}
+
+
+def _profiling():
+    try:
+        return torch._C._autograd._profiler_enabled()
+    except Exception:  # pragma: no cover
+        return False
+
+
+def _profile(g, w, what, inputs):
+    """An async profiler event "<backend>:<op>" (what torch's own backends record), ending when
+    the op completes (on the completion thread)."""
+    try:
+        label = "plait"
+        pg = g.owner() if g.owner is not None else None
+        if pg is not None:
+            entry = dist.distributed_c10d._world.pg_map.get(pg)
+            if entry:
+                label = str(entry[0])
+        name = _PROF_NAMES.get(what) or what.split(" ")[0]
+        h = torch._C._autograd._record_function_with_args_enter(f"{label}:{name}", *[t for t in inputs if isinstance(t, torch.Tensor)])
+        fut = torch.futures.Future()
+        torch.ops.profiler._call_end_callbacks_on_jit_fut(h, fut)
+        w._end_on_thread(fut)
+    except Exception:  # profiling must never break an op
+        pass
 
 
 def _timeout(opts):
@@ -268,7 +305,7 @@ class _Methods:
         except BaseException:
             _abandon(parts, st)
             raise
-        return g.work(parts, outputs, st, what)
+        return g.work(parts, outputs, st, what, ts)
 
     # -- broadcast / reduce --------------------------------------------------------------------
 
@@ -291,7 +328,7 @@ class _Methods:
             except BaseException:
                 _abandon([], st)
                 raise
-            return g.work([w], [t], st, "broadcast")
+            return g.work([w], [t], st, "broadcast", (t,))
 
         return self._pl_tensor_work(go)
 
@@ -320,7 +357,7 @@ class _Methods:
             except BaseException:
                 _abandon([], st)
                 raise
-            return g.work([w], [t], st, "reduce")
+            return g.work([w], [t], st, "reduce", (t,))
 
         return self._pl_tensor_work(go)
 
@@ -359,7 +396,7 @@ class _Methods:
         except BaseException:
             _abandon([], st)
             raise
-        return g.work([w], outs, st, what)
+        return g.work([w], outs, st, what, (inp,))
 
     def _allgather_base(self, output, input, opts=None):
         opts = _opts(opts, _AllgatherOptions, ())
@@ -411,7 +448,7 @@ class _Methods:
             except BaseException:
                 _abandon([], st)
                 raise
-            return g.work([w], [t for lst in outs for t in lst], st, what)
+            return g.work([w], [t for lst in outs for t in lst], st, what, ins)
 
         return self._pl_tensor_work(go)
 
@@ -438,7 +475,7 @@ class _Methods:
         except BaseException:
             _abandon(parts, st)
             raise
-        return g.work(parts, list(outputs), st, what)
+        return g.work(parts, list(outputs), st, what, inputs)
 
     # -- gather / scatter ----------------------------------------------------------------------
 
@@ -492,7 +529,7 @@ class _Methods:
         except BaseException:
             _abandon([], st)
             raise
-        return g.work([w], list(outs) if flat_out is None else [flat_out], st, what)
+        return g.work([w], list(outs) if flat_out is None else [flat_out], st, what, (inp,))
 
     def gather_into_tensor(self, output, input, opts=None):
         opts = _opts(opts, dist.GatherOptions, (), "rootRank")
@@ -549,7 +586,7 @@ class _Methods:
             except BaseException:
                 _abandon([], st)
                 raise
-            return g.work([w], [out], st, "scatter")
+            return g.work([w], [out], st, "scatter", ins_l[0] if ins_l and g.rank == root else (out,))
 
         return self._pl_tensor_work(go)
 
@@ -592,7 +629,7 @@ class _Methods:
             except BaseException:
                 _abandon([], st)
                 raise
-            return g.work([w], [out], st, "reduce_scatter")
+            return g.work([w], [out], st, "reduce_scatter", ins)
 
         return self._pl_tensor_work(go)
 
@@ -640,7 +677,7 @@ class _Methods:
         except BaseException:
             _abandon(parts, st)
             raise
-        return g.work(parts, list(outputs), st, what)
+        return g.work(parts, list(outputs), st, what, inputs)
 
     # -- alltoall ------------------------------------------------------------------------------
 
@@ -668,7 +705,7 @@ class _Methods:
             except BaseException:
                 _abandon([], st)
                 raise
-            return g.work([w], [output], st, "all_to_all_single")
+            return g.work([w], [output], st, "all_to_all_single", (input,))
 
         return self._pl_tensor_work(go)
 
@@ -701,7 +738,7 @@ class _Methods:
             except BaseException:
                 _abandon([], st)
                 raise
-            return g.work([w], outs, st, "all_to_all")
+            return g.work([w], outs, st, "all_to_all", ins)
 
         return self._pl_tensor_work(go)
 
@@ -719,6 +756,69 @@ class _Methods:
             return g.work([w], [], None, "barrier")
 
         return self._pl_tensor_work(go)
+
+    def monitored_barrier(self, timeout=None, wait_all_ranks=False):
+        """gloo's monitored barrier, through the group's store (so a late rank does not break
+        the communicator): rank 0 waits for every rank and names the ones that did not arrive
+        within `timeout`; the others wait for rank 0's verdict."""
+        g = self._g
+        if hasattr(timeout, "timeout") and not isinstance(timeout, datetime.timedelta):
+            timeout = timeout.timeout  # BarrierOptions
+        if isinstance(timeout, datetime.timedelta):
+            t = max(0.0, timeout.total_seconds())
+        elif timeout is None:
+            t = g.comm.timeout
+        else:
+            t = max(0.0, float(timeout))
+        store = g.store
+        if store is None:
+            raise invalid("monitored_barrier: this group has no store")
+        g.mb_seq += 1
+        base = f"plait/monitored_barrier/{g.mb_seq}"
+        import time
+
+        start = time.monotonic()
+        if g.rank != 0:
+            store.set(f"{base}/arrived/{g.rank}", b"1")
+            verdict = None
+            try:
+                store.wait([f"{base}/verdict"], datetime.timedelta(seconds=max(t, 0.001)))
+                verdict = bytes(store.get(f"{base}/verdict")).decode()
+            except Exception:
+                pass
+            if verdict != "ok":
+                why = f"rank 0 reported: {verdict}" if verdict else f"no word from rank 0 within {t:g} s"
+                raise torch_error(_core.PlaitTimeoutError(
+                    f"Rank {g.rank} successfully reached monitoredBarrier, but received errors while waiting "
+                    f"for send/recv from rank 0 ({why})"))
+            return
+        failed = []
+        if t <= 0 and g.size > 1:
+            msg = "Rank 0 timed out in monitoredBarrier after 0 ms"
+            store.set(f"{base}/verdict", msg.encode())
+            raise torch_error(_core.PlaitTimeoutError(msg))
+        for r in range(1, g.size):
+            left = t - (time.monotonic() - start)
+            key = f"{base}/arrived/{r}"
+            try:
+                if left > 0:
+                    store.wait([key], datetime.timedelta(seconds=left))
+                elif not store.check([key]):
+                    raise TimeoutError
+            except Exception:
+                failed.append(r)
+                if not wait_all_ranks:
+                    break
+        ms = int(t * 1000)
+        if failed:
+            msg = (f"Rank {failed[0]} failed to pass monitoredBarrier in {ms} ms" if len(failed) == 1 and not wait_all_ranks
+                   else f"Ranks {', '.join(map(str, failed))} failed to pass monitoredBarrier in {ms} ms")
+            try:
+                store.set(f"{base}/verdict", msg.encode())
+            except Exception:
+                pass
+            raise torch_error(_core.PlaitTimeoutError(msg))
+        store.set(f"{base}/verdict", b"ok")
 
     # -- point to point ------------------------------------------------------------------------
 
@@ -741,7 +841,7 @@ class _Methods:
             lane = g.lanes.get("send", dst, tg)
             small = n <= g.opts.inline_bytes and g.opts.inline != "never"
             done = lane.run(lambda: comm.send(ptr, n, dt, dst, tg, inline=True).wait() and dst, try_inline=small)
-            return g.work([done], [t], st, f"send to rank {dst}")
+            return g.work([done], [t], st, f"send to rank {dst}", (t,))
 
         return self._pl_tensor_work(go)
 
@@ -774,7 +874,7 @@ class _Methods:
             return w.source()
 
         done = g.lanes.get("recv", src, tg).run(run, try_inline=False)
-        return g.work([done], [t], st, "recv" + (f" from rank {src}" if src >= 0 else " from any rank"))
+        return g.work([done], [t], st, "recv" + (f" from rank {src}" if src >= 0 else " from any rank"), (t,))
 
     # -- coalescing ----------------------------------------------------------------------------
     # c10d's _coalescing_manager needs start/endCoalescing from the backend. plait issues each
@@ -890,8 +990,42 @@ class PlaitProcessGroup(_Methods, dist.ProcessGroup):
     def __init__(self, group, name="", desc="undefined"):
         dist.ProcessGroup.__init__(self, group.rank, group.size)
         self._g = group
+        group.owner = weakref.ref(self)
         self._pl_name = name
         self._pl_desc = desc
+        self._pl_backend = None
+        # c10d asks groups for their per-device Backend (batch_isend_irecv, DeviceMesh, FSDP...):
+        # register a Backend view of this same engine for every device plait serves.
+        b = self._pl_backend_view()
+        if b is not None:
+            bt = getattr(dist.ProcessGroup.BackendType, "CUSTOM", None)
+            for dev in ("cpu", "cuda", "mps"):
+                try:
+                    self._register_backend(torch.device(dev), bt, b)
+                except Exception:
+                    pass
+            try:
+                self._set_default_backend(bt)
+            except Exception:
+                pass
+
+    def _get_backend(self, device=None):
+        """The per-device Backend view (c10d asks it e.g. whether it supports coalescing)."""
+        b = self._pl_backend_view()
+        if b is None:
+            return dist.ProcessGroup._get_backend(self, device)
+        return b
+
+    def get_backend(self, device=None):
+        return self._get_backend(device)
+
+    def _pl_backend_view(self):
+        if self._pl_backend is None and PlaitBackend is not None:
+            try:
+                self._pl_backend = PlaitBackend(self._g, self._pl_name, self._pl_desc, owner=False)
+            except Exception:  # pragma: no cover - torch without a constructible Backend
+                self._pl_backend = None
+        return self._pl_backend
 
     def __del__(self):
         g = getattr(self, "_g", None)
@@ -910,18 +1044,29 @@ if _BackendBase is not None:
     class PlaitBackend(_Methods, _BackendBase):
         """The per-device form, for mixed groups such as "cpu:plait,cuda:nccl"."""
 
-        def __init__(self, group, name="", desc="undefined"):
+        def __init__(self, group, name="", desc="undefined", owner=True):
             _BackendBase.__init__(self, group.rank, group.size)
             self._g = group
             self._pl_name = name
             self._pl_desc = desc
+            self._pl_owner = owner  # False: a view of a PlaitProcessGroup's engine
 
         def name(self):
             return "plait"
 
+        # Capability queries: answered in Python (the C++ properties would look for a Python
+        # override of the same name and recurse).
+        supports_coalescing = property(lambda self: False)
+        supports_splitting = property(lambda self: False)
+        supports_shrinking = property(lambda self: False)
+        supports_reconfigure = property(lambda self: False)
+        supports_window = property(lambda self: False)
+        supports_abort_hooks = property(lambda self: False)
+        _supports_time_estimate = property(lambda self: False)
+
         def __del__(self):
             g = getattr(self, "_g", None)
-            if g is not None and not g.closed and not g.completer.in_thread():
+            if getattr(self, "_pl_owner", False) and g is not None and not g.closed and not g.completer.in_thread():
                 try:
                     g.shutdown()
                 except Exception:
@@ -972,6 +1117,7 @@ def create(dist_backend_opts, backend_options=None):
     except PlaitError as e:
         raise torch_error(e) from None
     g = _Group(comm, o, gid, ranks)
+    g.store = store
     mixed = _mixed_backend_config() or os.environ.get("PLAIT_TORCH_CLASS") == "backend"
     if mixed and PlaitBackend is not None:
         return PlaitBackend(g, gid)

@@ -115,6 +115,7 @@ class PlaitWork(dist.Work):
         self._future = None
         self._base = None
         self._source = -1
+        self._extra = []
 
     # -- internals ---------------------------------------------------------------------------
 
@@ -202,6 +203,11 @@ class PlaitWork(dist.Work):
         self._complete_future()
 
     def _complete_future(self):
+        with self._lock:
+            extra, self._extra = self._extra, []
+        for f in extra:  # profiler events: plain futures, ended on this (completion) thread
+            if not f.done():
+                f.set_result(None)
         base = self._base
         if base is None or base.done():
             return
@@ -209,6 +215,12 @@ class PlaitWork(dist.Work):
             base.set_result(_Failure(self._error))
         else:
             base.set_result(self._outputs)
+
+    def _end_on_thread(self, fut):
+        """Completes `fut` from the completion thread once the op has ended."""
+        with self._lock:
+            self._extra.append(fut)
+        self._group.completer.submit(self)
 
     # -- torch API -----------------------------------------------------------------------------
 
@@ -256,16 +268,17 @@ class PlaitWork(dist.Work):
         # time the op completes; nothing to order on a device stream.
         return None
 
-    def get_future(self):
+    def get_future(self, on_thread=False):
+        """The future of this op: its value is the list of output tensors; it is failed (at the
+        C++ level) when the op fails. `on_thread`: complete it on the completion thread even if
+        the op is already done (profiler events must end on another thread to be async)."""
         with self._lock:
             if self._future is not None:
                 return self._future
             self._base = torch.futures.Future()
             self._future = self._base.then(_check)
             settled = self._settled
-        if settled:
-            self._complete_future()
-        elif self._settle_if_complete():
+        if not on_thread and (settled or self._settle_if_complete()):
             self._complete_future()
         else:
             self._group.completer.submit(self)

@@ -71,8 +71,13 @@ impl Fabric {
         }
         tracing::warn!(rank = self.rank, "communicator failed: {err}");
         self.mailbox.fail(&err);
+        // Stop reading first: our receivers return, while the peers still get the reason
+        // before they see the connection close (and so blame the right rank).
+        for link in self.links.iter().flatten() {
+            link.stop_reading();
+        }
         if tell_peers {
-            self.broadcast_control(FrameKind::Abort, format!("rank {}: {err}", self.rank), Duration::from_millis(300));
+            self.broadcast_control(FrameKind::Abort, format!("rank {}: {err}", self.rank), Duration::from_secs(1));
         }
         for link in self.links.iter().flatten() {
             link.shutdown();

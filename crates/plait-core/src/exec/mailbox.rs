@@ -30,6 +30,7 @@ pub struct Expect {
     pub count: u64,
     pub nbytes: u64,
     pub sched_id: u32,
+    pub layout_id: u32,
     /// "allreduce #12 (f32, sum, 1000 elements)": for error messages.
     pub what: Arc<str>,
 }
@@ -70,6 +71,16 @@ struct Inner {
     broken: Option<PlaitError>,
     /// Peers that closed normally: receives from them fail once nothing stashed can serve them.
     closed: HashMap<usize, PlaitError>,
+    /// Collective sequence numbers this rank has completed: every one below `finished_below`,
+    /// and those in `finished_above`. A frame for one of them means the ranks disagree.
+    finished_below: u64,
+    finished_above: std::collections::HashSet<u64>,
+}
+
+impl Inner {
+    fn is_finished(&self, seq: u64) -> bool {
+        seq < self.finished_below || self.finished_above.contains(&seq)
+    }
 }
 
 #[derive(Default)]
@@ -212,8 +223,44 @@ impl Mailbox {
         }
     }
 
+    /// Marks collective `seq` complete on this rank. Returns a frame of it that arrived but was
+    /// never asked for: the ranks disagreed about the call (root, counts, algorithm).
+    pub fn finish(&self, seq: u64) -> Option<(usize, FrameHeader)> {
+        let mut inner = self.inner.lock();
+        if inner.finished_below == 0 {
+            inner.finished_below = 1;
+        }
+        inner.finished_above.insert(seq);
+        loop {
+            let next = inner.finished_below;
+            if !inner.finished_above.remove(&next) {
+                break;
+            }
+            inner.finished_below += 1;
+        }
+        let data = FrameKind::Data as u8;
+        let stray: Vec<Key> = inner.stashed.keys().filter(|k| k.1 == data && k.2 == seq).copied().collect();
+        let first = stray.first().and_then(|k| inner.stashed.get(k).map(|s| (k.0, s.header)));
+        for k in stray {
+            if let Some(s) = inner.stashed.remove(&k) {
+                self.pool.give(s.data);
+            }
+        }
+        first
+    }
+
     /// Called by the receiver thread of `peer` for a Data or P2p frame.
     pub fn deliver(&self, peer: usize, h: &FrameHeader, payload: &mut dyn Read) -> io::Result<()> {
+        if h.kind == FrameKind::Data as u8 && self.inner.lock().is_finished(h.seq) {
+            io::copy(payload, &mut io::sink())?;
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!(
+                    "it sent {} after this rank had completed that operation: the ranks disagree about the call (root, counts or algorithm)",
+                    describe_header(h)
+                ),
+            ));
+        }
         let key: Key = if h.kind == FrameKind::P2p as u8 {
             (peer, h.kind, h.seq, 0, 0, h.ordinal)
         } else {
@@ -221,9 +268,27 @@ impl Mailbox {
         };
         let taken = self.take(peer, key);
         if let Some(p) = taken {
-            let result = land_from_stream(peer, h, payload, &p);
-            let _ = p.events.send(Event { token: p.token, result, source: peer });
-            return Ok(());
+            return match land_from_stream(peer, h, payload, &p) {
+                Ok(result) => {
+                    let _ = p.events.send(Event { token: p.token, result, source: peer });
+                    Ok(())
+                }
+                Err(io_err) => {
+                    // The link broke mid-message: let the link failure, which names the cause,
+                    // complete this receive.
+                    let mut inner = self.inner.lock();
+                    match inner.broken.clone() {
+                        Some(err) => {
+                            drop(inner);
+                            let _ = p.events.send(Event { token: p.token, result: Err(err), source: peer });
+                        }
+                        None => {
+                            inner.posted.insert(key, p);
+                        }
+                    }
+                    Err(io_err)
+                }
+            };
         }
         // Not posted yet: read without holding the lock, then look again before stashing.
         let mut data = self.pool.take(h.nbytes as usize);
@@ -271,6 +336,9 @@ fn check(peer: usize, h: &FrameHeader, p: &Posted) -> Result<(), PlaitError> {
     let e = &p.expect;
     let theirs = describe_header(h);
     let mismatch = |detail: String| PlaitError::Mismatch { op: e.what.to_string(), peer, detail };
+    if h.layout_id != 0 && e.layout_id != 0 && h.layout_id != e.layout_id {
+        return Err(mismatch(format!("rank {peer} sent {theirs} with different counts than this rank passed to {}", e.what)));
+    }
     if h.coll != e.coll || h.root != e.root || h.op != e.op || h.sched_id != e.sched_id {
         return Err(mismatch(format!("rank {peer} sent {theirs}; this rank runs {}", e.what)));
     }
@@ -286,39 +354,33 @@ fn check(peer: usize, h: &FrameHeader, p: &Posted) -> Result<(), PlaitError> {
     Ok(())
 }
 
-fn describe_header(h: &FrameHeader) -> String {
+pub(crate) fn describe_header(h: &FrameHeader) -> String {
     let coll = crate::sched::Collective::from_code(h.coll).map(|c| c.name()).unwrap_or("p2p");
     let dtype = DType::from_u8(h.dtype).map(|d| d.name()).unwrap_or("?");
     format!("{coll} #{} ({dtype}, root {}, schedule {:#x})", h.seq, h.root, h.sched_id)
 }
 
-/// Reads the payload into the landing place. On a mismatch the payload is drained so the
-/// stream stays in sync, and the error is reported.
-fn land_from_stream(peer: usize, h: &FrameHeader, payload: &mut dyn Read, p: &Posted) -> Result<(), PlaitError> {
+/// Reads the payload into the landing place. The outer error is the link's (I/O); the inner
+/// one this receive's (a mismatch, after which the payload is drained to keep the stream in sync).
+fn land_from_stream(peer: usize, h: &FrameHeader, payload: &mut dyn Read, p: &Posted) -> io::Result<Result<(), PlaitError>> {
     if let Err(e) = check(peer, h, p) {
-        let _ = io::copy(payload, &mut io::sink());
-        return Err(e);
+        io::copy(payload, &mut io::sink())?;
+        return Ok(Err(e));
     }
-    let io_err = |e: io::Error| PlaitError::Peer {
-        op: p.expect.what.to_string(),
-        peer,
-        addr: String::new(),
-        what: format!("failed mid-message: {e}"),
-        waited: Default::default(),
-    };
     match &p.landing {
         Landing::Copy { dst } => {
             let dst = unsafe { super::bytes_mut(*dst, p.len) };
-            payload.read_exact(dst).map_err(io_err)
+            payload.read_exact(dst)?;
         }
-        Landing::Reduce { .. } => REDUCE_TMP.with(|tmp| {
+        Landing::Reduce { .. } => REDUCE_TMP.with(|tmp| -> io::Result<()> {
             let mut tmp = tmp.borrow_mut();
             tmp.resize(p.len, 0);
-            payload.read_exact(&mut tmp[..]).map_err(io_err)?;
+            payload.read_exact(&mut tmp[..])?;
             reduce_landing(p, &tmp[..]);
             Ok(())
-        }),
+        })?,
     }
+    Ok(Ok(()))
 }
 
 fn land_from_memory(peer: usize, h: &FrameHeader, data: &[u8], p: &Posted) -> Result<(), PlaitError> {

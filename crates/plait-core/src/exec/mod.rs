@@ -77,6 +77,7 @@ pub struct OpSpec {
     pub seq: u64,
     pub timeout: Duration,
     pub sched_id: u32,
+    pub layout_id: u32,
     pub what: Arc<str>,
 }
 
@@ -90,13 +91,26 @@ impl OpSpec {
     }
 }
 
-/// Identifies (algorithm, segment size): ranks must agree on both.
-pub fn sched_id(name: &str, seg_bytes: usize) -> u32 {
+fn fnv1a(bytes: impl Iterator<Item = u8>) -> u32 {
     let mut h: u32 = 0x811c9dc5;
-    for b in name.bytes().chain(seg_bytes.to_le_bytes()) {
+    for b in bytes {
         h = (h ^ b as u32).wrapping_mul(0x01000193);
     }
     h
+}
+
+/// Identifies (algorithm, segment size): ranks must agree on both.
+pub fn sched_id(name: &str, seg_bytes: usize) -> u32 {
+    fnv1a(name.bytes().chain(seg_bytes.to_le_bytes()))
+}
+
+/// Identifies the counts of a call where every rank knows all of them; 0 (unchecked) for
+/// gather, scatter and alltoall, where each rank knows only its own part.
+pub fn layout_id(coll: Collective, counts: &[usize]) -> u32 {
+    match coll {
+        Collective::Gather | Collective::Scatter | Collective::AllToAll => 0,
+        _ => fnv1a(counts.iter().flat_map(|c| (*c as u64).to_le_bytes())).max(1),
+    }
 }
 
 /// Runs one collective. Returns when every transfer has finished, successfully or not; on
@@ -130,7 +144,18 @@ pub fn run_collective(
     };
     let (tx, rx) = crossbeam_channel::unbounded();
     let mut state = State::new(layout.max_nseg(), sched.nsteps());
-    let result = match run.drive(&tx, &rx, &mut state, start) {
+    let outcome = run.drive(&tx, &rx, &mut state, start).and_then(|_| match fabric.mailbox.finish(spec.seq) {
+        None => Ok(()),
+        Some((peer, h)) => Err(PlaitError::Mismatch {
+            op: spec.what.to_string(),
+            peer,
+            detail: format!(
+                "rank {peer} sent {} which this rank's call did not expect: the ranks disagree about the root, the counts or the algorithm",
+                mailbox::describe_header(&h)
+            ),
+        }),
+    });
+    let result = match outcome {
         Ok(()) => {
             run.finalize();
             Ok(())
@@ -211,7 +236,9 @@ impl Run<'_> {
             match rx.recv_deadline(wake) {
                 Ok(ev) => {
                     st.outstanding -= 1;
-                    ev.result?;
+                    if let Err(e) = ev.result {
+                        return Err(better_explained(self.fabric, e));
+                    }
                     let s = ev.token as usize;
                     if let Some(i) = st.pending[s].iter().position(|(p, _)| *p == ev.source) {
                         st.pending[s].swap_remove(i);
@@ -288,6 +315,7 @@ impl Run<'_> {
                     count: elems as u64,
                     nbytes: len as u64,
                     sched_id: self.spec.sched_id,
+                    layout_id: self.spec.layout_id,
                 };
                 st.pending[s].push((peer, true));
                 st.outstanding += 1;
@@ -328,6 +356,7 @@ impl Run<'_> {
             count: elems as u64,
             nbytes: len as u64,
             sched_id: self.spec.sched_id,
+            layout_id: self.spec.layout_id,
             what: self.spec.what.clone(),
         }
     }
@@ -419,6 +448,23 @@ impl Run<'_> {
     }
 }
 
+/// A transfer that failed because its peer's socket closed says little about why: the peer may
+/// have closed it because a third rank failed. Give the communicator a moment to learn the real
+/// cause (an Abort frame, or the dead rank's own link closing) before blaming that peer.
+fn better_explained(fabric: &Fabric, err: PlaitError) -> PlaitError {
+    if !matches!(err, PlaitError::Peer { .. }) {
+        return err;
+    }
+    let until = Instant::now() + Duration::from_millis(250);
+    while Instant::now() < until {
+        if let Some(first) = fabric.broken() {
+            return first;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    err
+}
+
 fn with_waited(err: PlaitError, waited: Duration) -> PlaitError {
     match err {
         PlaitError::Peer { op, peer, addr, what, .. } => PlaitError::Peer { op, peer, addr, what, waited },
@@ -483,6 +529,7 @@ pub fn recv_p2p(fabric: &Fabric, src: Option<usize>, tag: u64, dtype: DType, dst
         count: (dst.len / dtype.size()) as u64,
         nbytes: dst.len as u64,
         sched_id: 0,
+        layout_id: 0,
         what: what.clone(),
     };
     fabric.mailbox.post_p2p(src, tag, Posted { landing: Landing::Copy { dst: dst.ptr }, len: dst.len, expect, op_id, token: 0, events: tx });

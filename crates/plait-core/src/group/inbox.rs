@@ -8,18 +8,25 @@ use crate::net::peer::Inbox;
 use parking_lot::Mutex;
 use std::io::{self, Read};
 use std::sync::{Arc, Weak};
-use std::time::Duration;
+use std::time::{Duration, Instant};
+
+/// How long an unexplained closed link waits before it is blamed: a rank that fails on purpose
+/// says why (an Abort frame) before it closes, and when a peer dies every survivor's own link
+/// to it closes within this time too, so the report names the rank that really died.
+const DOWN_GRACE: Duration = Duration::from_millis(100);
 
 pub(super) struct CommInbox {
     mailbox: Arc<Mailbox>,
     fabric: Mutex<Weak<Fabric>>,
     /// A failure reported before the fabric existed (during set-up).
     early: Mutex<Option<(PlaitError, bool)>>,
+    /// Links seen closing without explanation: (peer, when, why).
+    downs: Mutex<Vec<(usize, Instant, String)>>,
 }
 
 impl CommInbox {
     pub(super) fn new(mailbox: Arc<Mailbox>) -> Self {
-        CommInbox { mailbox, fabric: Mutex::new(Weak::new()), early: Mutex::new(None) }
+        CommInbox { mailbox, fabric: Mutex::new(Weak::new()), early: Mutex::new(None), downs: Mutex::new(Vec::new()) }
     }
 
     pub(super) fn attach(&self, fabric: &Arc<Fabric>) {
@@ -97,7 +104,29 @@ impl Inbox for CommInbox {
             io::ErrorKind::InvalidData => format!("sent data this rank cannot read: {error}"),
             _ => format!("link failed: {error}"),
         };
-        let err = PlaitError::Peer { op: String::new(), peer, addr: self.addr(peer), what, waited: Duration::ZERO };
+        let first = {
+            let mut downs = self.downs.lock();
+            downs.push((peer, Instant::now(), what));
+            downs.len() == 1
+        };
+        if !first {
+            return;
+        }
+        std::thread::sleep(DOWN_GRACE);
+        if self.fabric.lock().upgrade().is_some_and(|f| f.broken().is_some()) {
+            return;
+        }
+        let downs = self.downs.lock().clone();
+        let (peer, _, what) = &downs[0];
+        let mut what = what.clone();
+        if downs.len() > 1 {
+            let others: Vec<String> = downs[1..]
+                .iter()
+                .map(|(p, t, _)| format!("rank {p} ({}, {:.0?} later)", self.addr(*p), t.duration_since(downs[0].1)))
+                .collect();
+            what = format!("{what}; the links to {} closed too", others.join(", "));
+        }
+        let err = PlaitError::Peer { op: String::new(), peer: *peer, addr: self.addr(*peer), what, waited: Duration::ZERO };
         self.fail(err, true);
     }
 }

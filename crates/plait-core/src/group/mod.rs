@@ -337,6 +337,7 @@ impl Communicator {
             seq,
             timeout: req.timeout.unwrap_or(self.cfg.timeout),
             sched_id: exec::sched_id(&sched.name, self.cfg.segment_bytes),
+            layout_id: exec::layout_id(coll, &layout.counts.scratch),
             what,
         };
         Ok((spec, sched, layout))

@@ -55,6 +55,9 @@ pub struct FrameHeader {
     pub nbytes: u64,
     /// Hash of (algorithm, segment size): ranks must run the same schedule.
     pub sched_id: u32,
+    /// Hash of the call's counts where every rank knows them all (0: not checked), so ranks
+    /// passing different counts fail even when the messages they exchange happen to fit.
+    pub layout_id: u32,
 }
 
 impl FrameHeader {
@@ -73,6 +76,7 @@ impl FrameHeader {
         b[32..40].copy_from_slice(&self.count.to_le_bytes());
         b[40..48].copy_from_slice(&self.nbytes.to_le_bytes());
         b[48..52].copy_from_slice(&self.sched_id.to_le_bytes());
+        b[52..56].copy_from_slice(&self.layout_id.to_le_bytes());
         b
     }
 
@@ -99,6 +103,7 @@ impl FrameHeader {
             count: u64_at(32),
             nbytes: u64_at(40),
             sched_id: u32_at(48),
+            layout_id: u32_at(52),
         };
         if FrameKind::from_u8(h.kind).is_none() {
             return Err(io::Error::new(io::ErrorKind::InvalidData, format!("unknown frame kind {}", h.kind)));
@@ -119,7 +124,7 @@ mod tests {
 
     #[test]
     fn header_round_trips_and_rejects_garbage() {
-        let h = FrameHeader { kind: 1, coll: 2, dtype: 3, op: 4, seq: 5, step: 6, segment: 7, ordinal: 8, root: 9, count: 10, nbytes: 11, sched_id: 12 };
+        let h = FrameHeader { kind: 1, coll: 2, dtype: 3, op: 4, seq: 5, step: 6, segment: 7, ordinal: 8, root: 9, count: 10, nbytes: 11, sched_id: 12, layout_id: 13 };
         assert_eq!(FrameHeader::decode(&h.encode()).unwrap(), h);
         let mut junk = h.encode();
         junk[0] ^= 0xff;

@@ -56,6 +56,8 @@ pub struct PeerLink {
     last_rx: Arc<AtomicU64>,
     epoch_start: Instant,
     closing: Arc<AtomicBool>,
+    /// Set when this side stops reading on purpose: the receiver exits without reporting.
+    deaf: Arc<AtomicBool>,
     threads: Mutex<Vec<JoinHandle<()>>>,
 }
 
@@ -72,6 +74,7 @@ impl PeerLink {
         let epoch_start = Instant::now();
         let last_rx = Arc::new(AtomicU64::new(0));
         let closing = Arc::new(AtomicBool::new(false));
+        let deaf = Arc::new(AtomicBool::new(false));
         let writer = Arc::new(Mutex::new(Writer {
             stream: stream.try_clone()?,
             scratch: Vec::with_capacity(HEADER_LEN + EAGER_MAX),
@@ -88,6 +91,7 @@ impl PeerLink {
             last_rx: last_rx.clone(),
             epoch_start,
             closing: closing.clone(),
+            deaf: deaf.clone(),
             threads: Mutex::new(Vec::new()),
         });
         let send_closing = closing.clone();
@@ -95,10 +99,9 @@ impl PeerLink {
             .name(format!("plait-send-{peer}"))
             .spawn(move || send_loop(writer, queue_rx, urgent_rx, heartbeat, send_closing))?;
         let reader = stream;
-        let recv_closing = closing;
         let receiver = std::thread::Builder::new()
             .name(format!("plait-recv-{peer}"))
-            .spawn(move || recv_loop(peer, reader, inbox, last_rx, epoch_start, recv_closing))?;
+            .spawn(move || recv_loop(peer, reader, inbox, last_rx, epoch_start, deaf))?;
         link.threads.lock().extend([sender, receiver]);
         Ok(link)
     }
@@ -143,8 +146,16 @@ impl PeerLink {
         now.saturating_sub(Duration::from_nanos(self.last_rx.load(Ordering::Relaxed)))
     }
 
+    /// Stops reading (a blocked read returns at once) without telling the peer anything, so
+    /// control frames queued for it can still go out before the connection closes.
+    pub fn stop_reading(&self) {
+        self.deaf.store(true, Ordering::SeqCst);
+        let _ = self.stream.shutdown(Shutdown::Read);
+    }
+
     /// Ends both directions now: blocked reads and writes return at once.
     pub fn shutdown(&self) {
+        self.deaf.store(true, Ordering::SeqCst);
         self.closing.store(true, Ordering::SeqCst);
         let _ = self.stream.shutdown(Shutdown::Both);
     }
@@ -249,7 +260,7 @@ fn recv_loop(
     inbox: Arc<dyn Inbox>,
     last_rx: Arc<AtomicU64>,
     epoch_start: Instant,
-    closing: Arc<AtomicBool>,
+    deaf: Arc<AtomicBool>,
 ) {
     let mut clean = false;
     let err = loop {
@@ -268,11 +279,11 @@ fn recv_loop(
             break e;
         }
         if payload.left != 0 {
-            // The inbox did not consume the payload: the stream would be out of sync.
-            break io::Error::new(io::ErrorKind::InvalidData, "frame payload not consumed");
+            // Only a read that failed part-way leaves payload behind: the link went down mid-frame.
+            break io::Error::new(io::ErrorKind::UnexpectedEof, "the connection closed in the middle of a message");
         }
     };
-    if closing.load(Ordering::SeqCst) {
+    if deaf.load(Ordering::SeqCst) {
         return;
     }
     inbox.link_down(peer, err, clean);
