@@ -292,9 +292,18 @@ impl PyComm {
                 d.set_item("local", &r.local)?;
                 d.set_item("remote", &r.remote)?;
                 d.set_item("reason", &r.reason)?;
+                d.set_item("local_iface", &r.local_iface)?;
+                d.set_item("same_host", r.same_host)?;
+                d.set_item("rtt_us", r.rtt_us)?;
                 Ok(d)
             })
             .collect()
+    }
+
+    /// How the ranks are wired, as every rank sees it: "single", "full_mesh" (a dedicated
+    /// interface per peer), "shared" (one interface or loopback) or "partial_mesh".
+    fn topology(&self) -> &'static str {
+        self.comm.topology().name()
     }
 
     /// The TCP port this rank listens on for its peers (None in a world of one).
@@ -307,6 +316,23 @@ impl PyComm {
 #[pyfunction]
 fn algorithms(coll: &str) -> PyResult<Vec<String>> {
     Ok(gen::algorithms(collective(coll)?).iter().map(|s| s.to_string()).collect())
+}
+
+/// This host's interface addresses as plait sees them (what each rank publishes).
+#[pyfunction]
+fn interfaces(py: Python<'_>) -> PyResult<Vec<Bound<'_, PyDict>>> {
+    plait_core::net::iface::list_interfaces()
+        .into_iter()
+        .map(|a| {
+            let d = PyDict::new(py);
+            d.set_item("name", &a.name)?;
+            d.set_item("ip", a.ip.to_string())?;
+            d.set_item("prefix", a.prefix)?;
+            d.set_item("mtu", a.mtu)?;
+            d.set_item("speed_mbps", a.speed_mbps)?;
+            Ok(d)
+        })
+        .collect()
 }
 
 fn init_logging() {
@@ -340,6 +366,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyComm>()?;
     m.add_class::<PyWork>()?;
     m.add_function(wrap_pyfunction!(algorithms, m)?)?;
+    m.add_function(wrap_pyfunction!(interfaces, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

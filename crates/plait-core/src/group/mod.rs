@@ -5,8 +5,10 @@
 //! failure the communicator is broken and a new one (a new epoch) must be built.
 
 mod inbox;
+mod topology;
 mod work;
 
+pub use topology::{LinkRecord, Topology};
 pub use work::Work;
 
 use crate::dtype::{DType, ReduceOp};
@@ -25,6 +27,7 @@ use crate::sched::select::{parse_algo_spec, Selector};
 use crate::sched::Collective;
 use crate::store::Store;
 use inbox::CommInbox;
+use topology::RouteFile;
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -50,6 +53,8 @@ pub struct CommConfig {
     pub segment_bytes: usize,
     /// `PLAIT_IFACE` syntax (NCCL_SOCKET_IFNAME-like).
     pub iface: Option<String>,
+    /// `PLAIT_ROUTES`: path of an N x N route matrix that overrides subnet matching.
+    pub routes_file: Option<String>,
 }
 
 fn env_nonempty(name: &str) -> Option<String> {
@@ -83,6 +88,7 @@ impl CommConfig {
             algo: env_nonempty("PLAIT_ALGO"),
             segment_bytes,
             iface: env_nonempty("PLAIT_IFACE"),
+            routes_file: env_nonempty("PLAIT_ROUTES"),
         })
     }
 }
@@ -96,15 +102,6 @@ struct PeerInfo {
     /// Same boot id and same network namespace: the peer can be reached over loopback.
     machine: String,
     addrs: Vec<IfaceAddr>,
-}
-
-/// The route chosen to a peer, for `routes()` and the logs.
-#[derive(Clone, Debug, Serialize)]
-pub struct RouteInfo {
-    pub peer: usize,
-    pub local: String,
-    pub remote: String,
-    pub reason: String,
 }
 
 pub struct CollRequest {
@@ -131,7 +128,8 @@ pub struct Communicator {
     selector: Selector,
     seq: AtomicU64,
     listener: Mutex<Option<Listener>>,
-    routes: Vec<RouteInfo>,
+    routes: Vec<LinkRecord>,
+    topology: Topology,
     closed: AtomicBool,
     jobs: Mutex<Option<crossbeam_channel::Sender<Job>>>,
     workers: Mutex<Vec<JoinHandle<()>>>,
@@ -159,7 +157,7 @@ impl Communicator {
             None => Default::default(),
         };
         let filter = cfg.iface.as_deref().map(IfaceFilter::parse).transpose()?;
-        let selector = Selector::new(overrides, LinkModel::default(), cfg.segment_bytes);
+        let route_file = cfg.routes_file.as_deref().map(|p| RouteFile::load(p, size)).transpose()?;
         let start = Instant::now();
         let deadline = start + cfg.timeout;
         let prefix = format!("plait/{}/{}", cfg.group, cfg.epoch);
@@ -179,7 +177,8 @@ impl Communicator {
         let inbox = Arc::new(CommInbox::new(mailbox.clone()));
         let heartbeat = (cfg.timeout / 4).clamp(Duration::from_millis(50), Duration::from_secs(1));
         let mut fabric = Fabric::new(rank, size, mailbox);
-        let mut routes = Vec::new();
+        let mut routes: Vec<LinkRecord> = Vec::new();
+        let mut all_links: Vec<Vec<LinkRecord>> = Vec::new();
         let setup = (|| -> Result<()> {
             let mut infos = Vec::with_capacity(size);
             for r in 0..size {
@@ -199,18 +198,53 @@ impl Communicator {
             for peer in 0..rank {
                 let info = &infos[peer];
                 let same_host = info.machine == me.machine;
-                let candidates = candidate_routes(&me.addrs, &info.addrs, same_host, filter.as_ref());
+                let candidates = match &route_file {
+                    Some(rf) => vec![rf.route(rank, &me.addrs, peer, &info.addrs)?],
+                    None => candidate_routes(&me.addrs, &info.addrs, same_host, filter.as_ref()),
+                };
+                let t0 = Instant::now();
                 let (stream, route) = connect_first(&candidates, info, &Hello { to: peer as u32, ..hello.clone() }, deadline)?;
-                routes.push(route_info(peer, &route));
+                let rtt_us = t0.elapsed().as_secs_f64() * 1e6;
+                routes.push(LinkRecord {
+                    peer,
+                    local_iface: route.local.name.clone(),
+                    local: route.local.ip.to_string(),
+                    remote: route.peer_ip.to_string(),
+                    same_host,
+                    rtt_us: Some(rtt_us),
+                    reason: route.reason.clone(),
+                });
                 let addr = format!("{}:{}", route.peer_ip, info.port);
                 fabric.links[peer] = Some(PeerLink::start(peer, addr, stream, inbox.clone(), heartbeat)?);
             }
             for (peer, info) in infos.iter().enumerate().skip(rank + 1) {
                 let stream = listener.as_ref().unwrap().accept_from(peer as u32, deadline)?;
-                let remote = stream.peer_addr().map(|a| a.ip().to_string()).unwrap_or_default();
-                let local = stream.local_addr().map(|a| a.ip().to_string()).unwrap_or_default();
-                routes.push(RouteInfo { peer, local, remote: remote.clone(), reason: format!("accepted from rank {peer} ({})", info.host) });
+                let remote = stream.peer_addr().map(|a| a.ip().to_canonical().to_string()).unwrap_or_default();
+                let local_ip = stream.local_addr().map(|a| a.ip().to_canonical()).ok();
+                let local_iface = me.addrs.iter().find(|a| Some(a.ip) == local_ip).map(|a| a.name.clone()).unwrap_or_default();
+                routes.push(LinkRecord {
+                    peer,
+                    local_iface,
+                    local: local_ip.map(|i| i.to_string()).unwrap_or_default(),
+                    remote: remote.clone(),
+                    same_host: info.machine == me.machine,
+                    rtt_us: None,
+                    reason: format!("rank {peer} ({}) connected from {remote}", info.host),
+                });
                 fabric.links[peer] = Some(PeerLink::start(peer, format!("{remote}:{}", info.port), stream, inbox.clone(), heartbeat)?);
+            }
+            // Everyone shares its link records, so every rank derives the same topology.
+            routes.sort_by_key(|r| r.peer);
+            store.set(&format!("{prefix}/links/{rank}"), &serde_json::to_vec(&routes).unwrap())?;
+            for r in 0..size {
+                let theirs: Vec<LinkRecord> = if r == rank {
+                    routes.clone()
+                } else {
+                    let left = deadline.saturating_duration_since(Instant::now());
+                    let raw = store.get(&format!("{prefix}/links/{r}"), left)?;
+                    serde_json::from_slice(&raw).map_err(|e| PlaitError::Rendezvous(format!("rank {r} published unreadable link records: {e}")))?
+                };
+                all_links.push(theirs);
             }
             Ok(())
         })();
@@ -224,9 +258,22 @@ impl Communicator {
             }
             return Err(e);
         }
-        routes.sort_by_key(|r| r.peer);
-        for r in &routes {
-            tracing::info!(rank, peer = r.peer, local = %r.local, remote = %r.remote, reason = %r.reason, "route");
+        // The accepting side learns the round trip from the rank that connected.
+        for r in routes.iter_mut() {
+            if r.rtt_us.is_none() {
+                r.rtt_us = all_links.get(r.peer).and_then(|l| l.iter().find(|x| x.peer == rank)).and_then(|x| x.rtt_us);
+            }
+        }
+        let topology = if size == 1 { Topology::Single } else { topology::classify(&all_links) };
+        let model = LinkModel { shared: topology != Topology::FullMesh, ..LinkModel::default() };
+        let selector = Selector::new(overrides, model, cfg.segment_bytes);
+        if rank == 0 {
+            tracing::info!("topology: {}", topology.name());
+            for (r, links) in all_links.iter().enumerate() {
+                for l in links {
+                    tracing::info!("route {r} -> {}: {} ({}) -> {}: {}", l.peer, l.local, l.local_iface, l.remote, l.reason);
+                }
+            }
         }
         let (tx, rx) = crossbeam_channel::unbounded::<Job>();
         let workers = (0..ASYNC_WORKERS)
@@ -249,6 +296,7 @@ impl Communicator {
             seq: AtomicU64::new(1),
             listener: Mutex::new(listener),
             routes,
+            topology,
             closed: AtomicBool::new(false),
             jobs: Mutex::new(Some(tx)),
             workers: Mutex::new(workers),
@@ -264,8 +312,11 @@ impl Communicator {
     pub fn config(&self) -> &CommConfig {
         &self.cfg
     }
-    pub fn routes(&self) -> &[RouteInfo] {
+    pub fn routes(&self) -> &[LinkRecord] {
         &self.routes
+    }
+    pub fn topology(&self) -> Topology {
+        self.topology
     }
     pub fn listen_port(&self) -> Option<u16> {
         self.listener.lock().as_ref().map(|l| l.port())
@@ -466,10 +517,6 @@ impl Drop for Communicator {
     fn drop(&mut self) {
         self.close();
     }
-}
-
-fn route_info(peer: usize, r: &Route) -> RouteInfo {
-    RouteInfo { peer, local: r.local.ip.to_string(), remote: r.peer_ip.to_string(), reason: r.reason.clone() }
 }
 
 /// Tries the candidate routes in order; each but the last gets a bounded share of the time.

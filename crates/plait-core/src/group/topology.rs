@@ -1,0 +1,195 @@
+//! What the links look like once they are up: an explicit route file, the route records every
+//! rank shares through the store, and the topology class all ranks derive from them alike.
+
+use crate::error::{PlaitError, Result};
+use crate::net::iface::IfaceAddr;
+use crate::net::route::Route;
+use serde::{Deserialize, Serialize};
+use std::net::IpAddr;
+
+/// How ranks are wired, as far as algorithm choice is concerned.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Topology {
+    /// One process, no links.
+    Single,
+    /// Every rank reaches every peer over its own interface (a cable per pair): links are
+    /// independent, so direct algorithms use all of them at once.
+    FullMesh,
+    /// Every rank's links share one interface (a switch, or loopback on one host).
+    Shared,
+    /// Anything in between.
+    PartialMesh,
+}
+
+impl Topology {
+    pub fn name(self) -> &'static str {
+        match self {
+            Topology::Single => "single",
+            Topology::FullMesh => "full_mesh",
+            Topology::Shared => "shared",
+            Topology::PartialMesh => "partial_mesh",
+        }
+    }
+}
+
+/// One rank's view of one link, published so every rank sees the whole matrix.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct LinkRecord {
+    pub peer: usize,
+    pub local_iface: String,
+    pub local: String,
+    pub remote: String,
+    pub same_host: bool,
+    /// Connect plus handshake round trip, measured by the rank that connected.
+    pub rtt_us: Option<f64>,
+    pub reason: String,
+}
+
+/// Derives the topology from every rank's link records (`records[r]` = rank r's links). Pure,
+/// so every rank reaches the same answer from the same records.
+pub fn classify(records: &[Vec<LinkRecord>]) -> Topology {
+    if records.len() <= 1 {
+        return Topology::Single;
+    }
+    let mut dedicated = true;
+    let mut shared = true;
+    for links in records {
+        let mut names: Vec<&str> = links.iter().map(|l| l.local_iface.as_str()).collect();
+        let loopback = links.iter().any(|l| l.same_host || l.local_iface.is_empty() || l.local_iface == "lo");
+        names.sort_unstable();
+        let distinct = {
+            let mut d = names.clone();
+            d.dedup();
+            d.len()
+        };
+        dedicated &= !loopback && distinct == names.len();
+        shared &= distinct <= 1;
+    }
+    match (dedicated, shared) {
+        // With two ranks a single link is both; it is a dedicated cable only off-host.
+        (true, _) => Topology::FullMesh,
+        (false, true) => Topology::Shared,
+        _ => Topology::PartialMesh,
+    }
+}
+
+/// `PLAIT_ROUTES`: an N x N JSON matrix; entry [i][j] is the local IP address (or interface
+/// name) rank i uses to reach rank j; null on the diagonal.
+#[derive(Clone, Debug)]
+pub struct RouteFile {
+    pub path: String,
+    matrix: Vec<Vec<Option<String>>>,
+}
+
+impl RouteFile {
+    pub fn load(path: &str, size: usize) -> Result<RouteFile> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| PlaitError::Config(format!("PLAIT_ROUTES={path}: cannot read it: {e}")))?;
+        let matrix: Vec<Vec<Option<String>>> = serde_json::from_str(&text).map_err(|e| {
+            PlaitError::Config(format!("PLAIT_ROUTES={path}: not an N x N JSON matrix of strings and nulls: {e}"))
+        })?;
+        if matrix.len() != size || matrix.iter().any(|row| row.len() != size) {
+            return Err(PlaitError::Config(format!(
+                "PLAIT_ROUTES={path}: the world has {size} ranks, so the matrix must be {size} x {size}"
+            )));
+        }
+        for (i, row) in matrix.iter().enumerate() {
+            for (j, e) in row.iter().enumerate() {
+                if i != j && e.is_none() {
+                    return Err(PlaitError::Config(format!("PLAIT_ROUTES={path}: entry [{i}][{j}] is null; only the diagonal may be")));
+                }
+            }
+        }
+        Ok(RouteFile { path: path.to_string(), matrix })
+    }
+
+    fn entry(&self, i: usize, j: usize) -> &str {
+        self.matrix[i][j].as_deref().unwrap_or_default()
+    }
+
+    /// The route rank `me` must use to connect to `peer`, from both ranks' entries.
+    pub fn route(&self, me: usize, mine: &[IfaceAddr], peer: usize, theirs: &[IfaceAddr]) -> Result<Route> {
+        let local = resolve(self.entry(me, peer), mine).ok_or_else(|| {
+            PlaitError::Config(format!(
+                "PLAIT_ROUTES={}: rank {me} has no interface or address {:?} (entry [{me}][{peer}]); it has {}",
+                self.path,
+                self.entry(me, peer),
+                describe(mine)
+            ))
+        })?;
+        let remote = resolve(self.entry(peer, me), theirs).ok_or_else(|| {
+            PlaitError::Config(format!(
+                "PLAIT_ROUTES={}: rank {peer} has no interface or address {:?} (entry [{peer}][{me}]); it has {}",
+                self.path,
+                self.entry(peer, me),
+                describe(theirs)
+            ))
+        })?;
+        Ok(Route { local, peer_ip: remote.ip, reason: format!("route file {}", self.path) })
+    }
+}
+
+fn resolve(spec: &str, addrs: &[IfaceAddr]) -> Option<IfaceAddr> {
+    match spec.parse::<IpAddr>() {
+        Ok(ip) => addrs.iter().find(|a| a.ip == ip).cloned(),
+        Err(_) => {
+            let on_iface = addrs.iter().filter(|a| a.name == spec);
+            let mut v: Vec<&IfaceAddr> = on_iface.collect();
+            v.sort_by_key(|a| !a.ip.is_ipv4());
+            v.first().map(|a| (*a).clone())
+        }
+    }
+}
+
+fn describe(addrs: &[IfaceAddr]) -> String {
+    addrs.iter().map(|a| format!("{}={}", a.name, a.ip)).collect::<Vec<_>>().join(", ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rec(peer: usize, iface: &str, same_host: bool) -> LinkRecord {
+        LinkRecord { peer, local_iface: iface.into(), local: String::new(), remote: String::new(), same_host, rtt_us: None, reason: String::new() }
+    }
+
+    #[test]
+    fn classifies_triangle_loopback_and_mixed() {
+        let triangle = vec![
+            vec![rec(1, "c01", false), rec(2, "c02", false)],
+            vec![rec(0, "c01", false), rec(2, "c12", false)],
+            vec![rec(0, "c02", false), rec(1, "c12", false)],
+        ];
+        assert_eq!(classify(&triangle), Topology::FullMesh);
+        let local = vec![vec![rec(1, "lo", true), rec(2, "lo", true)]; 3];
+        assert_eq!(classify(&local), Topology::Shared);
+        let lan = vec![vec![rec(1, "eth0", false), rec(2, "eth0", false)]; 3];
+        assert_eq!(classify(&lan), Topology::Shared);
+        let mut mixed = triangle.clone();
+        mixed[2] = vec![rec(0, "eth0", false), rec(1, "eth0", false)];
+        assert_eq!(classify(&mixed), Topology::PartialMesh);
+        assert_eq!(classify(&[vec![]]), Topology::Single);
+    }
+
+    #[test]
+    fn route_file_resolves_addresses_and_names_and_rejects_bad_shapes() {
+        let dir = std::env::temp_dir().join(format!("plait-routes-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let p = dir.join("r.json");
+        std::fs::write(&p, r#"[[null, "10.0.1.1"], ["cable0", null]]"#).unwrap();
+        let f = RouteFile::load(p.to_str().unwrap(), 2).unwrap();
+        let a = |name: &str, ip: &str| IfaceAddr { name: name.into(), ip: ip.parse().unwrap(), prefix: 24, mtu: None, speed_mbps: None };
+        let rank0 = vec![a("eth0", "10.9.0.1"), a("cable1", "10.0.1.1")];
+        let rank1 = vec![a("eth0", "10.9.0.2"), a("cable0", "10.0.1.2")];
+        let r = f.route(1, &rank1, 0, &rank0).unwrap();
+        assert_eq!(r.local.ip.to_string(), "10.0.1.2");
+        assert_eq!(r.peer_ip.to_string(), "10.0.1.1");
+        assert!(f.route(1, &rank0, 0, &rank0).is_err(), "rank 1 has no cable0 in this list");
+        std::fs::write(&p, r#"[[null, "x"]]"#).unwrap();
+        assert!(RouteFile::load(p.to_str().unwrap(), 2).is_err());
+        std::fs::write(&p, r#"[[null, null], [null, null]]"#).unwrap();
+        assert!(RouteFile::load(p.to_str().unwrap(), 2).is_err());
+        let _ = std::fs::remove_dir_all(dir);
+    }
+}
