@@ -22,15 +22,24 @@ pub(super) struct CommInbox {
     early: Mutex<Option<(PlaitError, bool)>>,
     /// Links seen closing without explanation: (peer, when, why).
     downs: Mutex<Vec<(usize, Instant, String)>>,
+    /// Pings that arrived before the fabric existed, answered on attach.
+    early_pings: Mutex<Vec<(usize, FrameHeader, Vec<u8>)>>,
 }
 
 impl CommInbox {
     pub(super) fn new(mailbox: Arc<Mailbox>) -> Self {
-        CommInbox { mailbox, fabric: Mutex::new(Weak::new()), early: Mutex::new(None), downs: Mutex::new(Vec::new()) }
+        CommInbox { mailbox, fabric: Mutex::new(Weak::new()), early: Mutex::new(None), downs: Mutex::new(Vec::new()), early_pings: Mutex::new(Vec::new()) }
     }
 
     pub(super) fn attach(&self, fabric: &Arc<Fabric>) {
-        *self.fabric.lock() = Arc::downgrade(fabric);
+        {
+            // Hold the slot while answering early pings, so a ping arriving now waits its turn.
+            let mut slot = self.fabric.lock();
+            *slot = Arc::downgrade(fabric);
+            for (peer, h, word) in self.early_pings.lock().drain(..) {
+                answer_ping(fabric, peer, &h, word);
+            }
+        }
         if let Some((err, tell)) = self.early.lock().take() {
             fabric.fail(err, tell);
         }
@@ -54,6 +63,18 @@ impl CommInbox {
     }
 }
 
+fn answer_ping(f: &Fabric, peer: usize, h: &FrameHeader, word: Vec<u8>) {
+    let pong = FrameHeader {
+        kind: FrameKind::P2p as u8,
+        dtype: h.dtype,
+        seq: super::PONG_TAG,
+        ordinal: f.p2p_ordinal(peer, super::PONG_TAG),
+        count: word.len() as u64,
+        ..Default::default()
+    };
+    f.link(peer).send_owned(pong, word);
+}
+
 fn read_text(payload: &mut dyn Read, max: usize) -> io::Result<String> {
     let mut buf = Vec::new();
     payload.read_to_end(&mut buf)?;
@@ -64,6 +85,16 @@ fn read_text(payload: &mut dyn Read, max: usize) -> io::Result<String> {
 impl Inbox for CommInbox {
     fn deliver(&self, peer: usize, h: &FrameHeader, payload: &mut dyn Read) -> io::Result<()> {
         match FrameKind::from_u8(h.kind) {
+            Some(FrameKind::P2p) if h.seq == super::PING_TAG => {
+                // Answered here, on the receiver thread, so the prober measures the link alone.
+                let word = read_text(payload, 8)?.into_bytes();
+                let slot = self.fabric.lock();
+                match slot.upgrade() {
+                    Some(f) => answer_ping(&f, peer, h, word),
+                    None => self.early_pings.lock().push((peer, *h, word)),
+                }
+                Ok(())
+            }
             Some(FrameKind::Data) | Some(FrameKind::P2p) => self.mailbox.deliver(peer, h, payload),
             Some(FrameKind::Abort) => {
                 let reason = read_text(payload, 4096)?;

@@ -135,6 +135,32 @@ pub struct Communicator {
     workers: Mutex<Vec<JoinHandle<()>>>,
 }
 
+/// Tags at and above this are plait's own (start-up pings); users get the ones below.
+pub const RESERVED_TAGS: u64 = 1 << 63;
+const PING_TAG: u64 = u64::MAX;
+const PONG_TAG: u64 = u64::MAX - 1;
+
+/// Probes every link once it is up: a ping that the peer's receiver thread answers at once,
+/// so the round trip measures the link, not how far along the peer is. The best of a few.
+fn ping_all(fabric: &Fabric, deadline: Instant) -> Result<Vec<(usize, Duration)>> {
+    const ROUNDS: usize = 3;
+    let left = || deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
+    let mut word = [0u8; 8];
+    let buf = RawBuf { ptr: word.as_mut_ptr(), len: 8 };
+    let mut rtts = Vec::new();
+    for p in (0..fabric.size).filter(|&p| p != fabric.rank) {
+        let mut best = Duration::MAX;
+        for _ in 0..ROUNDS {
+            let t0 = Instant::now();
+            exec::send_p2p(fabric, p, PING_TAG, DType::U8, buf, left(), "start-up ping".into())?;
+            exec::recv_p2p(fabric, Some(p), PONG_TAG, DType::U8, buf, left(), "start-up ping".into())?;
+            best = best.min(t0.elapsed());
+        }
+        rtts.push((p, best));
+    }
+    Ok(rtts)
+}
+
 fn machine_id() -> String {
     let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap_or_default();
     let netns = std::fs::read_link("/proc/self/ns/net").map(|p| p.display().to_string()).unwrap_or_default();
@@ -202,16 +228,14 @@ impl Communicator {
                     Some(rf) => vec![rf.route(rank, &me.addrs, peer, &info.addrs)?],
                     None => candidate_routes(&me.addrs, &info.addrs, same_host, filter.as_ref()),
                 };
-                let t0 = Instant::now();
                 let (stream, route) = connect_first(&candidates, info, &Hello { to: peer as u32, ..hello.clone() }, deadline)?;
-                let rtt_us = t0.elapsed().as_secs_f64() * 1e6;
                 routes.push(LinkRecord {
                     peer,
                     local_iface: route.local.name.clone(),
                     local: route.local.ip.to_string(),
                     remote: route.peer_ip.to_string(),
                     same_host,
-                    rtt_us: Some(rtt_us),
+                    rtt_us: None,
                     reason: route.reason.clone(),
                 });
                 let addr = format!("{}:{}", route.peer_ip, info.port);
@@ -233,6 +257,16 @@ impl Communicator {
                 });
                 fabric.links[peer] = Some(PeerLink::start(peer, format!("{remote}:{}", info.port), stream, inbox.clone(), heartbeat)?);
             }
+            Ok(())
+        })();
+        let fabric = Arc::new(fabric);
+        inbox.attach(&fabric);
+        let setup = setup.and_then(|_| {
+            for (peer, rtt) in ping_all(&fabric, deadline)? {
+                if let Some(r) = routes.iter_mut().find(|r| r.peer == peer) {
+                    r.rtt_us = Some(rtt.as_secs_f64() * 1e6);
+                }
+            }
             // Everyone shares its link records, so every rank derives the same topology.
             routes.sort_by_key(|r| r.peer);
             store.set(&format!("{prefix}/links/{rank}"), &serde_json::to_vec(&routes).unwrap())?;
@@ -247,9 +281,7 @@ impl Communicator {
                 all_links.push(theirs);
             }
             Ok(())
-        })();
-        let fabric = Arc::new(fabric);
-        inbox.attach(&fabric);
+        });
         if let Err(e) = setup {
             fabric.fail(e.clone(), true);
             fabric.join_links();
@@ -257,12 +289,6 @@ impl Communicator {
                 l.close();
             }
             return Err(e);
-        }
-        // The accepting side learns the round trip from the rank that connected.
-        for r in routes.iter_mut() {
-            if r.rtt_us.is_none() {
-                r.rtt_us = all_links.get(r.peer).and_then(|l| l.iter().find(|x| x.peer == rank)).and_then(|x| x.rtt_us);
-            }
         }
         let topology = if size == 1 { Topology::Single } else { topology::classify(&all_links) };
         let model = LinkModel { shared: topology != Topology::FullMesh, ..LinkModel::default() };
@@ -412,6 +438,9 @@ impl Communicator {
         if peer == self.cfg.rank {
             return Err(PlaitError::invalid("send: a rank cannot send to itself"));
         }
+        if tag >= RESERVED_TAGS {
+            return Err(PlaitError::invalid(format!("send: tag {tag} is reserved; use tags below 2**63")));
+        }
         let timeout = timeout.unwrap_or(self.cfg.timeout);
         let what: Arc<str> = format!("send to rank {peer} (tag {tag}, {} bytes)", data.len).into();
         let me = self.clone();
@@ -421,6 +450,9 @@ impl Communicator {
     /// `src = None` receives from any source; the Work's value is the sender's rank.
     pub fn recv(self: &Arc<Self>, data: RawBuf, dtype: DType, src: Option<usize>, tag: u64, timeout: Option<Duration>, inline: bool) -> Result<Work> {
         self.usable()?;
+        if tag >= RESERVED_TAGS {
+            return Err(PlaitError::invalid(format!("recv: tag {tag} is reserved; use tags below 2**63")));
+        }
         if let Some(s) = src {
             self.check_rank("source rank", s)?;
             if s == self.cfg.rank {

@@ -126,6 +126,13 @@ impl PeerLink {
         }
     }
 
+    /// Sends a frame whose payload the link owns (no caller memory to keep alive).
+    pub fn send_owned(&self, mut header: FrameHeader, payload: Vec<u8>) {
+        header.nbytes = payload.len() as u64;
+        let data = SendBuf { ptr: payload.as_ptr(), len: payload.len() };
+        self.send(SendReq { header, data, done: Some(Box::new(move |_| drop(payload))) });
+    }
+
     /// Sends a control frame (Abort, Close) ahead of queued data, at the next frame boundary.
     pub fn send_urgent(&self, kind: FrameKind, payload: Vec<u8>, done: Option<SendDone>) {
         let header = FrameHeader { kind: kind as u8, nbytes: payload.len() as u64, ..Default::default() };
