@@ -130,6 +130,16 @@ pub fn counts_for(
         }
         Ok(())
     };
+    // The caller's split, or an equal one of `total` elements.
+    let given_or_equal = |given: Option<&[usize]>, what: &str, total: usize, of: &str| -> Result<Vec<usize>> {
+        match given {
+            Some(c) => {
+                check_len(what, c)?;
+                Ok(c.to_vec())
+            }
+            None => equal(total, of),
+        }
+    };
     let same = |v: Vec<usize>| Counts { input: v.clone(), output: v.clone(), scratch: v };
     Ok(match coll {
         Collective::AllReduce => {
@@ -149,38 +159,20 @@ pub fn counts_for(
             same(even_split(out_elems, n))
         }
         Collective::AllGather => {
-            let c = match recv_counts {
-                Some(c) => {
-                    check_len("counts", c)?;
-                    c.to_vec()
-                }
-                None => equal(out_elems, "output")?,
-            };
+            let c = given_or_equal(recv_counts, "counts", out_elems, "output")?;
             expect("input", in_elems, c[rank])?;
             expect("output", out_elems, c.iter().sum())?;
             same(c)
         }
         Collective::ReduceScatter => {
-            let c = match recv_counts {
-                Some(c) => {
-                    check_len("counts", c)?;
-                    c.to_vec()
-                }
-                None => equal(in_elems, "input")?,
-            };
+            let c = given_or_equal(recv_counts, "counts", in_elems, "input")?;
             expect("input", in_elems, c.iter().sum())?;
             expect("output", out_elems, c[rank])?;
             same(c)
         }
         Collective::Gather => {
             let c = if rank == root {
-                let c = match recv_counts {
-                    Some(c) => {
-                        check_len("counts", c)?;
-                        c.to_vec()
-                    }
-                    None => equal(out_elems, "output at the root")?,
-                };
+                let c = given_or_equal(recv_counts, "counts", out_elems, "output at the root")?;
                 expect("output at the root", out_elems, c.iter().sum())?;
                 c
             } else {
@@ -193,13 +185,7 @@ pub fn counts_for(
         }
         Collective::Scatter => {
             let c = if rank == root {
-                let c = match send_counts {
-                    Some(c) => {
-                        check_len("counts", c)?;
-                        c.to_vec()
-                    }
-                    None => equal(in_elems, "input at the root")?,
-                };
+                let c = given_or_equal(send_counts, "counts", in_elems, "input at the root")?;
                 expect("input at the root", in_elems, c.iter().sum())?;
                 c
             } else {
@@ -211,20 +197,8 @@ pub fn counts_for(
             same(c)
         }
         Collective::AllToAll => {
-            let s = match send_counts {
-                Some(c) => {
-                    check_len("send counts", c)?;
-                    c.to_vec()
-                }
-                None => equal(in_elems, "input")?,
-            };
-            let r = match recv_counts {
-                Some(c) => {
-                    check_len("receive counts", c)?;
-                    c.to_vec()
-                }
-                None => equal(out_elems, "output")?,
-            };
+            let s = given_or_equal(send_counts, "send counts", in_elems, "input")?;
+            let r = given_or_equal(recv_counts, "receive counts", out_elems, "output")?;
             expect("input", in_elems, s.iter().sum())?;
             expect("output", out_elems, r.iter().sum())?;
             Counts { input: s, output: r.clone(), scratch: r }
