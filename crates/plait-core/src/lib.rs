@@ -4,6 +4,7 @@
 //! framing), `sched` (algorithms as schedules, the verifier and the cost model), `exec` (runs a
 //! schedule over links), `group` (the communicator users hold). Nothing here knows torch.
 
+pub mod codec;
 pub mod dtype;
 pub mod error;
 pub mod exec;

@@ -45,6 +45,7 @@ fn allreduce(comm: &Arc<Communicator>, input: &mut [f32], output: &mut [f32], al
         recv_counts: None,
         timeout: None,
         algo: algo.map(String::from),
+        wire: None,
     };
     comm.collective(req, true)?.wait(None).unwrap().map(|_| ())
 }
@@ -100,4 +101,70 @@ fn abort_from_another_thread_ends_the_operation_and_restores_the_output() {
     let (err, took) = results[0].clone().unwrap();
     assert!(matches!(err, PlaitError::Aborted { .. }), "{err}");
     assert!(took < Duration::from_millis(1300), "abort took {took:?}");
+}
+
+#[test]
+fn compressed_allreduce_is_bit_identical_on_every_rank_and_close_to_exact() {
+    use plait_core::codec::Wire;
+    for wire in [Wire::Bf16, Wire::F16, Wire::Int8] {
+        let n = 3;
+        let count = 10_007;
+        let results = world(n, 0, move |comm| {
+            let r = comm.rank();
+            let mut input: Vec<f32> = (0..count).map(|i| ((i * 7 + r * 13) % 101) as f32 / 10.0 - 5.0).collect();
+            let mut output = vec![0.0f32; count];
+            let req = CollRequest {
+                coll: Collective::AllReduce,
+                dtype: DType::F32,
+                op: ReduceOp::Sum,
+                root: 0,
+                input: f32_buf(&mut input),
+                output: f32_buf(&mut output),
+                send_counts: None,
+                recv_counts: None,
+                timeout: None,
+                algo: None,
+                wire: Some(wire),
+            };
+            comm.collective(req, true).unwrap().wait(None).unwrap().unwrap();
+            output
+        });
+        for r in 1..n {
+            assert!(results[r].iter().zip(&results[0]).all(|(a, b)| a.to_bits() == b.to_bits()), "{wire:?}: rank {r} differs from rank 0");
+        }
+        // Each contribution is within 5.0 in magnitude; the error bound is per-contribution.
+        let tol = match wire {
+            Wire::Int8 => 3.0 * 2.0 * 5.0 / 254.0 + 15.0 / 254.0,
+            Wire::Bf16 => 15.0 / 128.0,
+            _ => 15.0 / 1024.0,
+        };
+        for (i, got) in results[0].iter().enumerate() {
+            let exact: f64 = (0..n).map(|r| (((i * 7 + r * 13) % 101) as f64) / 10.0 - 5.0).sum();
+            assert!((*got as f64 - exact).abs() <= tol, "{wire:?} [{i}]: {got} vs {exact}");
+        }
+    }
+}
+
+#[test]
+fn wire_compression_refuses_what_it_cannot_do() {
+    use plait_core::codec::Wire;
+    let results = world(2, 0, |comm| {
+        let mut v = vec![0i32; 8];
+        let buf = RawBuf { ptr: v.as_mut_ptr() as *mut u8, len: 32 };
+        let req = CollRequest {
+            coll: Collective::AllReduce,
+            dtype: DType::I32,
+            op: ReduceOp::Sum,
+            root: 0,
+            input: buf,
+            output: buf,
+            send_counts: None,
+            recv_counts: None,
+            timeout: None,
+            algo: None,
+            wire: Some(Wire::Bf16),
+        };
+        matches!(comm.collective(req, true), Err(PlaitError::InvalidArgument(_)))
+    });
+    assert!(results.iter().all(|ok| *ok));
 }

@@ -1,6 +1,7 @@
 //! `plait._core`: thin PyO3 bindings over plait-core. No logic lives here; every blocking call
 //! releases the GIL.
 
+use plait_core::codec::Wire;
 use plait_core::exec::RawBuf;
 use plait_core::group::{CollRequest, CommConfig, Communicator, Work};
 use plait_core::sched::{gen, Collective};
@@ -194,7 +195,7 @@ impl PyComm {
 
     /// Starts a collective over raw host memory. `inline=True` runs it on this thread (GIL
     /// released) and returns a completed Work; otherwise it runs in the background.
-    #[pyo3(signature = (coll, send_ptr, send_nbytes, recv_ptr, recv_nbytes, dtype, op="sum", *, factor=None, root=0, send_counts=None, recv_counts=None, timeout=None, algo=None, inline=false))]
+    #[pyo3(signature = (coll, send_ptr, send_nbytes, recv_ptr, recv_nbytes, dtype, op="sum", *, factor=None, root=0, send_counts=None, recv_counts=None, timeout=None, algo=None, inline=false, wire=None))]
     #[allow(clippy::too_many_arguments)]
     fn collective(
         &self,
@@ -213,7 +214,11 @@ impl PyComm {
         timeout: Option<f64>,
         algo: Option<String>,
         inline: bool,
+        wire: Option<String>,
     ) -> PyResult<PyWork> {
+        let wire = wire
+            .map(|w| Wire::from_name(&w).ok_or_else(|| invalid(format!("unknown wire dtype {w:?}; one of native, bf16, f16, int8"))))
+            .transpose()?;
         let coll = collective(coll)?;
         let dt = self::dtype(dtype)?;
         let rop = ReduceOp::from_name(op, factor).ok_or_else(|| {
@@ -234,6 +239,7 @@ impl PyComm {
             recv_counts,
             timeout: secs(timeout)?,
             algo,
+            wire,
         };
         let comm = self.comm.clone();
         let r = if inline { py.allow_threads(move || comm.collective(req, true)) } else { comm.collective(req, false) };

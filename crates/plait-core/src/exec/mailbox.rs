@@ -8,6 +8,7 @@
 use super::Event;
 use crate::dtype::{DType, ReduceOp};
 use crate::error::PlaitError;
+use crate::codec::{self, Wire};
 use crate::kernels;
 use crate::net::frame::{FrameHeader, FrameKind};
 use crossbeam_channel::Sender;
@@ -45,7 +46,10 @@ pub enum Landing {
 
 pub struct Posted {
     pub landing: Landing,
+    /// Bytes at the destination (decoded).
     pub len: usize,
+    /// How the payload is encoded on the wire (`expect.nbytes` is its size there).
+    pub wire: Wire,
     pub expect: Expect,
     pub op_id: u64,
     pub token: u32,
@@ -92,6 +96,7 @@ pub struct Mailbox {
 
 thread_local! {
     static REDUCE_TMP: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
+    static DECODE_TMP: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
 }
 
 impl Mailbox {
@@ -345,7 +350,7 @@ fn check(peer: usize, h: &FrameHeader, p: &Posted) -> Result<(), PlaitError> {
     if h.dtype != e.dtype {
         return Err(mismatch(format!("rank {peer} sent {theirs}; dtypes differ")));
     }
-    if h.count != e.count || h.nbytes != e.nbytes || h.nbytes as usize != p.len {
+    if h.count != e.count || h.nbytes != e.nbytes {
         return Err(mismatch(format!(
             "rank {peer} sent {} bytes ({} elements in its block), this rank expects {} bytes ({} elements): counts differ",
             h.nbytes, h.count, e.nbytes, e.count
@@ -367,16 +372,16 @@ fn land_from_stream(peer: usize, h: &FrameHeader, payload: &mut dyn Read, p: &Po
         io::copy(payload, &mut io::sink())?;
         return Ok(Err(e));
     }
-    match &p.landing {
-        Landing::Copy { dst } => {
+    match (&p.landing, p.wire) {
+        (Landing::Copy { dst }, Wire::Native) => {
             let dst = unsafe { super::bytes_mut(*dst, p.len) };
             payload.read_exact(dst)?;
         }
-        Landing::Reduce { .. } => REDUCE_TMP.with(|tmp| -> io::Result<()> {
+        _ => REDUCE_TMP.with(|tmp| -> io::Result<()> {
             let mut tmp = tmp.borrow_mut();
-            tmp.resize(p.len, 0);
+            tmp.resize(h.nbytes as usize, 0);
             payload.read_exact(&mut tmp[..])?;
-            reduce_landing(p, &tmp[..]);
+            land_bytes(p, &tmp[..]);
             Ok(())
         })?,
     }
@@ -385,14 +390,28 @@ fn land_from_stream(peer: usize, h: &FrameHeader, payload: &mut dyn Read, p: &Po
 
 fn land_from_memory(peer: usize, h: &FrameHeader, data: &[u8], p: &Posted) -> Result<(), PlaitError> {
     check(peer, h, p)?;
-    match &p.landing {
-        Landing::Copy { dst } => {
-            let dst = unsafe { super::bytes_mut(*dst, p.len) };
-            dst.copy_from_slice(data);
-        }
-        Landing::Reduce { .. } => reduce_landing(p, data),
-    }
+    land_bytes(p, data);
     Ok(())
+}
+
+/// Puts a whole (wire-encoded) payload in its landing place: decoded, then copied or reduced.
+fn land_bytes(p: &Posted, wire_bytes: &[u8]) {
+    if p.wire == Wire::Native {
+        match &p.landing {
+            Landing::Copy { dst } => unsafe { super::bytes_mut(*dst, p.len) }.copy_from_slice(wire_bytes),
+            Landing::Reduce { .. } => reduce_landing(p, wire_bytes),
+        }
+        return;
+    }
+    match &p.landing {
+        Landing::Copy { dst } => codec::decode(p.wire, wire_bytes, unsafe { super::bytes_mut(*dst, p.len) }),
+        Landing::Reduce { .. } => DECODE_TMP.with(|t| {
+            let mut t = t.borrow_mut();
+            t.resize(p.len, 0);
+            codec::decode(p.wire, wire_bytes, &mut t[..]);
+            reduce_landing(p, &t[..]);
+        }),
+    }
 }
 
 fn reduce_landing(p: &Posted, incoming: &[u8]) {

@@ -10,6 +10,7 @@ pub mod layout;
 pub mod mailbox;
 pub mod pool;
 
+use crate::codec::{self, Wire};
 use crate::dtype::{DType, ReduceOp};
 use crate::error::{PlaitError, Result};
 use crate::kernels;
@@ -78,6 +79,8 @@ pub struct OpSpec {
     pub timeout: Duration,
     pub sched_id: u32,
     pub layout_id: u32,
+    /// Wire encoding of the payloads (f32 allreduce with the direct algorithm only).
+    pub wire: Wire,
     pub what: Arc<str>,
 }
 
@@ -141,6 +144,7 @@ pub fn run_collective(
         scratch: RawBuf { ptr: scratch.as_mut_ptr(), len: scratch.len() },
         op_id: fabric.op_id(),
         locks: Arc::new(Mutex::new(())),
+        encoded: Mutex::new(Vec::new()),
     };
     let (tx, rx) = crossbeam_channel::unbounded();
     let mut state = State::new(layout.max_nseg(), sched.nsteps());
@@ -168,6 +172,9 @@ pub fn run_collective(
     };
     pool.give(snapshot);
     pool.give(scratch);
+    for (_, _, buf) in run.encoded.lock().drain(..) {
+        pool.give(buf);
+    }
     result
 }
 
@@ -199,6 +206,9 @@ struct Run<'a> {
     op_id: u64,
     /// Serialises accumulating receives of this operation (several peers reducing into one chunk).
     locks: Arc<Mutex<()>>,
+    /// Wire-encoded sends of the current step, per (segment, chunk): encoded once, sent to
+    /// every peer unchanged, kept until the step's transfers are done.
+    encoded: Mutex<Vec<(usize, ChunkRef, Vec<u8>)>>,
 }
 
 impl Run<'_> {
@@ -244,6 +254,7 @@ impl Run<'_> {
                         st.pending[s].swap_remove(i);
                     }
                     if st.pending[s].is_empty() {
+                        self.release_encoded(s);
                         self.locals(s, st.step[s])?;
                         st.step[s] += 1;
                         self.advance(s, tx, st)?;
@@ -288,10 +299,15 @@ impl Run<'_> {
                 st.pending[s].push((peer, false));
                 st.outstanding += 1;
                 let key = (peer, FrameKind::Data as u8, self.spec.seq, k as u32, s as u32, ordinal);
+                let wire_len = match self.spec.wire {
+                    Wire::Native => len,
+                    wire => wire.encoded_len(len / 4),
+                };
                 self.fabric.mailbox.post(key, Posted {
                     landing,
                     len,
-                    expect: self.expect(elems, len),
+                    wire: self.spec.wire,
+                    expect: self.expect(elems, wire_len),
                     op_id: self.op_id,
                     token: s as u32,
                     events: tx.clone(),
@@ -302,6 +318,10 @@ impl Run<'_> {
                 let ordinal = ordinals[peer].0;
                 ordinals[peer].0 += 1;
                 let Some((src, len, elems)) = self.seg_ptr(snd.src, s)? else { continue };
+                let (src, len) = match self.spec.wire {
+                    Wire::Native => (src as *const u8, len),
+                    wire => self.encode_once(s, snd.src, src, len, wire),
+                };
                 let header = FrameHeader {
                     kind: FrameKind::Data as u8,
                     coll: self.spec.coll.code(),
@@ -345,6 +365,37 @@ impl Run<'_> {
         }
         st.done += 1;
         Ok(())
+    }
+
+    /// The wire bytes of segment `s` of chunk `c`, encoding it the first time it is sent in
+    /// this step. A chunk of the output is replaced by its decoded value, so the sender holds
+    /// exactly what its peers will: every rank ends bit-identical.
+    fn encode_once(&self, s: usize, c: ChunkRef, src: *mut u8, len: usize, wire: Wire) -> (*const u8, usize) {
+        let mut enc = self.encoded.lock();
+        if let Some((_, _, buf)) = enc.iter().find(|(seg, ch, _)| *seg == s && *ch == c) {
+            return (buf.as_ptr(), buf.len());
+        }
+        let mut buf = self.fabric.mailbox.pool.take(wire.encoded_len(len / 4));
+        codec::encode(wire, unsafe { bytes(src, len) }, &mut buf);
+        if c.buf == Buf::Output {
+            codec::decode(wire, &buf, unsafe { bytes_mut(src, len) });
+        }
+        let out = (buf.as_ptr(), buf.len());
+        enc.push((s, c, buf));
+        out
+    }
+
+    fn release_encoded(&self, s: usize) {
+        let mut enc = self.encoded.lock();
+        let mut i = 0;
+        while i < enc.len() {
+            if enc[i].0 == s {
+                let (_, _, buf) = enc.swap_remove(i);
+                self.fabric.mailbox.pool.give(buf);
+            } else {
+                i += 1;
+            }
+        }
     }
 
     fn expect(&self, elems: usize, len: usize) -> Expect {
@@ -532,7 +583,7 @@ pub fn recv_p2p(fabric: &Fabric, src: Option<usize>, tag: u64, dtype: DType, dst
         layout_id: 0,
         what: what.clone(),
     };
-    fabric.mailbox.post_p2p(src, tag, Posted { landing: Landing::Copy { dst: dst.ptr }, len: dst.len, expect, op_id, token: 0, events: tx });
+    fabric.mailbox.post_p2p(src, tag, Posted { landing: Landing::Copy { dst: dst.ptr }, len: dst.len, wire: Wire::Native, expect, op_id, token: 0, events: tx });
     let peer_desc = src.map(|p| p as i64).unwrap_or(-1);
     let result = match wait_one(fabric, &rx, start, timeout, &what, peer_desc.max(0) as usize, "send") {
         Ok(source) => Ok(source),

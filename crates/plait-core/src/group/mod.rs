@@ -11,6 +11,7 @@ mod work;
 pub use topology::{LinkRecord, Topology};
 pub use work::Work;
 
+use crate::codec::Wire;
 use crate::dtype::{DType, ReduceOp};
 use crate::error::{PlaitError, Result};
 use crate::exec::fabric::Fabric;
@@ -55,6 +56,8 @@ pub struct CommConfig {
     pub iface: Option<String>,
     /// `PLAIT_ROUTES`: path of an N x N route matrix that overrides subnet matching.
     pub routes_file: Option<String>,
+    /// `PLAIT_WIRE_DTYPE`: wire compression for f32 allreduce (bf16, f16, int8).
+    pub wire: Wire,
 }
 
 fn env_nonempty(name: &str) -> Option<String> {
@@ -89,6 +92,12 @@ impl CommConfig {
             segment_bytes,
             iface: env_nonempty("PLAIT_IFACE"),
             routes_file: env_nonempty("PLAIT_ROUTES"),
+            wire: match env_nonempty("PLAIT_WIRE_DTYPE") {
+                Some(v) => Wire::from_name(&v).ok_or_else(|| {
+                    PlaitError::Config(format!("PLAIT_WIRE_DTYPE={v:?}: one of native, bf16, f16, int8"))
+                })?,
+                None => Wire::Native,
+            },
         })
     }
 }
@@ -115,7 +124,13 @@ pub struct CollRequest {
     pub recv_counts: Option<Vec<usize>>,
     pub timeout: Option<Duration>,
     pub algo: Option<String>,
+    /// Wire compression for this call (None: the communicator's default).
+    pub wire: Option<Wire>,
 }
+
+/// Compression needs each contribution encoded once and each owner's result encoded once and
+/// forwarded unchanged: the direct algorithm does exactly that.
+const WIRE_ALGO: &str = "direct";
 
 struct Job {
     run: Box<dyn FnOnce() -> Result<usize> + Send>,
@@ -395,10 +410,37 @@ impl Communicator {
         let counts = counts_for(coll, n, rank, root, in_elems, out_elems, req.send_counts.as_deref(), req.recv_counts.as_deref())?;
         let layout = Layout::new(coll, n, rank, root, es, counts, self.cfg.segment_bytes);
         let block_bytes: Vec<usize> = layout.counts.scratch.iter().map(|c| c * es).collect();
-        let sched = self.selector.choose(coll, n, root, &block_bytes, req.algo.as_deref())?;
+        // The communicator's wire default applies where it can; an explicit request must.
+        let compressible = coll == Collective::AllReduce && req.dtype == DType::F32;
+        let wire = match req.wire {
+            Some(w) if w != Wire::Native && !compressible => {
+                return Err(PlaitError::invalid(format!(
+                    "{coll}: wire compression ({}) applies to f32 allreduce only, not {} {coll}",
+                    w.name(),
+                    req.dtype
+                )))
+            }
+            Some(w) => w,
+            None if compressible => self.cfg.wire,
+            None => Wire::Native,
+        };
+        let algo = match (wire, req.algo.as_deref()) {
+            (Wire::Native, a) => a,
+            (_, None) => Some(WIRE_ALGO),
+            (_, Some(a)) if a == WIRE_ALGO => Some(a),
+            (w, Some(a)) => {
+                return Err(PlaitError::invalid(format!(
+                    "{coll}: wire compression ({}) runs with the {WIRE_ALGO} algorithm, not {a}",
+                    w.name()
+                )))
+            }
+        };
+        let sched = self.selector.choose(coll, n, root, &block_bytes, algo)?;
         let seq = self.seq.fetch_add(1, Ordering::SeqCst);
         let total: usize = layout.counts.scratch.iter().sum();
-        let what: Arc<str> = if coll.reduces() {
+        let what: Arc<str> = if wire != Wire::Native {
+            format!("{coll} #{seq} ({}, {}, {total} elements, {}, {} on the wire)", req.dtype, req.op.name(), sched.name, wire.name())
+        } else if coll.reduces() {
             format!("{coll} #{seq} ({}, {}, {total} elements, {})", req.dtype, req.op.name(), sched.name)
         } else if coll.rooted() {
             format!("{coll} #{seq} ({}, root {root}, {total} elements, {})", req.dtype, sched.name)
@@ -413,8 +455,9 @@ impl Communicator {
             root,
             seq,
             timeout: req.timeout.unwrap_or(self.cfg.timeout),
-            sched_id: exec::sched_id(&sched.name, self.cfg.segment_bytes),
+            sched_id: exec::sched_id(&format!("{}/{}", sched.name, wire.name()), self.cfg.segment_bytes),
             layout_id: exec::layout_id(coll, &layout.counts.scratch),
+            wire,
             what,
         };
         Ok((spec, sched, layout))
@@ -481,6 +524,7 @@ impl Communicator {
             recv_counts: None,
             timeout,
             algo: None,
+            wire: None,
         };
         let (mut spec, sched, layout) = self.prepare(&req)?;
         spec.what = format!("barrier #{}", spec.seq).into();
