@@ -116,14 +116,17 @@ class Communicator:
         return self._comm.routes()
 
     # -- reductions ----------------------------------------------------------------------------
-    def allreduce(self, x, op="sum", *, out=None, factor=None, timeout=None, algo=None, async_op=False):
+    def allreduce(self, x, op="sum", *, out=None, factor=None, timeout=None, algo=None, wire=None, async_op=False):
+        """`wire` ("bf16", "f16", "int8") compresses f32 data on the wire; every rank still ends
+        with bit-identical results (default: PLAIT_WIRE_DTYPE, else uncompressed)."""
         w = "allreduce"
         a = as_input(x, w)
         dt = core_dtype(a.dtype)
         op, factor = check_op(op, dt, factor)
         o = self._out(out, a, a.size, w, a.shape)
         send = separate(a, o, in_place_ok=_same(a, o))
-        return self._run(w, send, o, dt, o, op=op, factor=factor, timeout=timeout, algo=algo, async_op=async_op)
+        return self._run(w, send, o, dt, o, op=op, factor=factor, timeout=timeout, algo=algo, wire=wire,
+                         async_op=async_op)
 
     def reduce(self, x, root, op="sum", *, out=None, factor=None, timeout=None, algo=None, async_op=False):
         """Result in `out` (returned) on `root`; other ranks return None."""
@@ -330,12 +333,12 @@ class Communicator:
         return r
 
     def _run(self, coll, send, recv, dtype, result, *, op="sum", factor=None, root=0, send_counts=None,
-             recv_counts=None, timeout=None, algo=None, async_op=False):
+             recv_counts=None, timeout=None, algo=None, wire=None, async_op=False):
         self._prune()
         w = self._comm.collective(
             coll, addr(send), send.nbytes, addr(recv), recv.nbytes, dtype, op,
             factor=factor, root=root, send_counts=send_counts, recv_counts=recv_counts,
-            timeout=_timeout(timeout, coll), algo=algo, inline=not async_op,
+            timeout=_timeout(timeout, coll), algo=algo, inline=not async_op, wire=wire,
         )
         return self._finish(Work(w, (send, recv), result), async_op)
 
