@@ -1,0 +1,393 @@
+"""`plait bench`: an nccl-tests-shaped sweep through torch.distributed, one backend after another
+in the same run (same world, same sizes, same machine), so the ratios mean something.
+
+By default it spawns `--nproc` local ranks on loopback; under torchrun or `plait testbed run`
+(RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set) it measures the real links instead.
+
+Metrics follow nccl-tests (GB = 1e9 bytes): t is the per-iteration time of the slowest rank,
+algbw = S / t, busbw = algbw * factor, with S and factor per collective as in
+`shared/notes/benchmarks.md`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+OPS = ("allreduce", "allgather", "reduce_scatter", "broadcast", "alltoall", "sendrecv")
+DTYPES = ("f32", "f64", "f16", "bf16", "i32", "i64", "u8")
+
+
+def parse_size(text: str) -> int:
+    t = text.strip().upper().rstrip("B")
+    mult = 1
+    for suffix, m in (("K", 1 << 10), ("M", 1 << 20), ("G", 1 << 30)):
+        if t.endswith(suffix):
+            t, mult = t[:-1], m
+    try:
+        v = int(float(t) * mult)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 8, 64K, 128M)") from None
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"size must be positive: {text!r}")
+    return v
+
+
+def busbw_factor(op: str, n: int) -> float:
+    if op == "allreduce":
+        return 2 * (n - 1) / n
+    if op in ("allgather", "reduce_scatter", "alltoall"):
+        return (n - 1) / n
+    return 1.0
+
+
+def sizes(begin: int, end: int, factor: float) -> list[int]:
+    out, s = [], begin
+    while s <= end:
+        out.append(s)
+        nxt = int(s * factor)
+        s = nxt if nxt > s else s + 1
+    return out
+
+
+def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    p = p or argparse.ArgumentParser(prog="plait bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("-b", "--minbytes", type=parse_size, default=8, help="smallest size S (default 8)")
+    p.add_argument("-e", "--maxbytes", type=parse_size, default=64 << 20, help="largest size S (default 64M)")
+    p.add_argument("-f", "--stepfactor", type=float, default=2.0, help="size multiplier between steps (default 2)")
+    p.add_argument("-n", "--iters", type=int, default=20, help="timed iterations per size (default 20)")
+    p.add_argument("-w", "--warmup", type=int, default=5, help="untimed iterations per size (default 5)")
+    p.add_argument("-c", "--check", type=int, default=1, help="1: verify results after timing (default), 0: skip")
+    p.add_argument("--op", choices=OPS, default="allreduce")
+    p.add_argument("--dtype", choices=DTYPES, default="f32")
+    p.add_argument("--wire", choices=("native", "bf16", "f16", "int8"), default=None,
+                   help="plait wire compression for f32 allreduce (default: PLAIT_WIRE_DTYPE or none)")
+    p.add_argument("--backend", default="plait", help="comma list run one after another, e.g. plait,gloo")
+    p.add_argument("--nproc", type=int, default=None, help="local ranks to spawn (default 2; ignored under torchrun)")
+    p.add_argument("--json", metavar="FILE", help="also write every figure as JSON")
+    p.add_argument("--plot", metavar="FILE.png", help="busbw and latency against size, a line per backend")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds before the whole run is abandoned")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    return p
+
+
+# ---------------------------------------------------------------- rank side
+
+def _torch_dtype(torch, name):
+    return {"f32": torch.float32, "f64": torch.float64, "f16": torch.float16, "bf16": torch.bfloat16,
+            "i32": torch.int32, "i64": torch.int64, "u8": torch.uint8}[name]
+
+
+def _tensors(torch, op, S, n, rank, dt):
+    """Buffers for one size, S bytes by the nccl-tests definition, filled so results are exact."""
+    es = torch.tensor([], dtype=dt).element_size()
+    count = max(1, S // es)
+    fill = float(rank % 4 + 1)
+    if op in ("allgather", "reduce_scatter", "alltoall"):
+        per = max(1, count // n)
+        if op == "allgather":
+            return torch.full((per,), fill, dtype=dt), torch.empty(per * n, dtype=dt), per * n * es
+        if op == "reduce_scatter":
+            return torch.full((per * n,), fill, dtype=dt), torch.empty(per, dtype=dt), per * n * es
+        return torch.full((per * n,), fill, dtype=dt), torch.empty(per * n, dtype=dt), per * n * es
+    return torch.full((count,), fill, dtype=dt), torch.empty(0, dtype=dt), count * es
+
+
+def _runner(dist, op, x, y, n, rank):
+    if op == "allreduce":
+        return lambda: dist.all_reduce(x)
+    if op == "allgather":
+        return lambda: dist.all_gather_into_tensor(y, x)
+    if op == "reduce_scatter":
+        return lambda: dist.reduce_scatter_tensor(y, x)
+    if op == "broadcast":
+        return lambda: dist.broadcast(x, 0)
+    if op == "alltoall":
+        return lambda: dist.all_to_all_single(y, x)
+    peer_to, peer_from = (rank + 1) % n, (rank - 1) % n
+
+    def sendrecv():
+        if n == 1:
+            return
+        buf = y if y.numel() == x.numel() else x.clone()
+        ops = [dist.P2POp(dist.isend, x, peer_to), dist.P2POp(dist.irecv, buf, peer_from)]
+        for w in dist.batch_isend_irecv(ops):
+            w.wait()
+    if y.numel() != x.numel():
+        y.resize_(x.numel())
+    return sendrecv
+
+
+def _expected(torch, op, n, rank, dt):
+    fills = [float(r % 4 + 1) for r in range(n)]
+    if op in ("allreduce", "reduce_scatter"):
+        return sum(fills)
+    if op == "broadcast":
+        return fills[0]
+    if op == "sendrecv":
+        return fills[(rank - 1) % n] if n > 1 else None
+    return None  # allgather / alltoall: block i holds rank i's fill
+
+
+def _count_wrong(torch, op, x, y, n, rank, dt):
+    want = _expected(torch, op, n, rank, dt)
+    if op == "allreduce" or op == "broadcast":
+        return int((x.double() != want).sum())
+    if op == "reduce_scatter":
+        return int((y.double() != want).sum())
+    if op == "sendrecv":
+        return 0 if want is None else int((y.double() != want).sum())
+    blocks = y.double().reshape(n, -1)
+    if op == "allgather":
+        ref = torch.tensor([float(r % 4 + 1) for r in range(n)], dtype=torch.float64)[:, None]
+    else:  # alltoall: block i came from rank i
+        ref = torch.tensor([float(r % 4 + 1) for r in range(n)], dtype=torch.float64)[:, None]
+    return int((blocks != ref).sum())
+
+
+def _algorithm(dist, backend, op, S, n):
+    if backend != "plait" or op == "sendrecv":
+        return "-"
+    try:
+        pg = dist.distributed_c10d._get_default_group()
+        comm = pg.plait_comm
+        coll = {"allreduce": "allreduce", "allgather": "allgather", "reduce_scatter": "reduce_scatter",
+                "broadcast": "broadcast", "alltoall": "alltoall"}[op]
+        per_rank = S if op in ("allreduce", "broadcast", "alltoall", "reduce_scatter") else S
+        return comm.algorithm_for(coll, per_rank)
+    except Exception:  # the algorithm column is informative only
+        return "?"
+
+
+def worker(args) -> int:
+    import torch
+    import torch.distributed as dist
+    from datetime import timedelta
+
+    import plait.torch  # noqa: F401  (registers the backend)
+
+    rank, n = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), n, rank == 0,
+                          timeout=timedelta(seconds=args.timeout))
+    dt = _torch_dtype(torch, args.dtype)
+    if args.wire:
+        os.environ["PLAIT_WIRE_DTYPE"] = args.wire
+    backends = [b.strip() for b in args.backend.split(",") if b.strip()]
+    steps = sizes(args.minbytes, args.maxbytes, args.stepfactor)
+    results = []
+    progress = sys.stdout if rank == 0 and args.out else None
+    total = len(steps) * len(backends)
+    done = 0
+    for backend in backends:
+        dist.init_process_group(backend, store=dist.PrefixStore(f"bench/{backend}", store), rank=rank, world_size=n,
+                                timeout=timedelta(seconds=args.timeout))
+        for S in steps:
+            x, y, S_real = _tensors(torch, args.op, S, n, rank, dt)
+            run = _runner(dist, args.op, x, y, n, rank)
+            for _ in range(args.warmup):
+                run()
+            times = torch.empty(args.iters, dtype=torch.float64)
+            for i in range(args.iters):
+                t0 = time.perf_counter()
+                run()
+                times[i] = time.perf_counter() - t0
+            # The slowest rank's time per iteration, as nccl-tests reports.
+            dist.all_reduce(times, op=dist.ReduceOp.MAX)
+            wrong = 0
+            if args.check:
+                x2, y2, _ = _tensors(torch, args.op, S, n, rank, dt)
+                _runner(dist, args.op, x2, y2, n, rank)()
+                w = torch.tensor([_count_wrong(torch, args.op, x2, y2, n, rank, dt)], dtype=torch.float64)
+                dist.all_reduce(w)
+                wrong = int(w.item())
+            ts = sorted(times.tolist())
+            p50 = ts[len(ts) // 2]
+            p99 = ts[min(len(ts) - 1, int(round(0.99 * (len(ts) - 1))))]
+            algbw = S_real / p50 / 1e9
+            results.append({
+                "backend": backend, "op": args.op, "dtype": args.dtype, "size": S_real,
+                "count": x.numel(), "algorithm": _algorithm(dist, backend, args.op, S_real, n),
+                "time_p50_us": p50 * 1e6, "time_p99_us": p99 * 1e6, "algbw_GBps": algbw,
+                "busbw_GBps": algbw * busbw_factor(args.op, n), "wrong": wrong,
+            })
+            done += 1
+            if progress:
+                print(f"PROGRESS {done} {total} {backend} {S_real}", flush=True)
+            del x, y
+        dist.destroy_process_group()
+    if rank == 0:
+        payload = {"world_size": n, "op": args.op, "dtype": args.dtype, "wire": args.wire or os.environ.get("PLAIT_WIRE_DTYPE"),
+                   "backends": backends, "iters": args.iters, "warmup": args.warmup, "results": results}
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(payload, f)
+        else:
+            report(payload, args)
+    return 1 if any(r["wrong"] for r in results) else 0
+
+
+# ---------------------------------------------------------------- launcher and report
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _human(b: int) -> str:
+    for unit, m in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if b >= m and b % m == 0:
+            return f"{b // m}{unit}"
+    return str(b)
+
+
+def report(payload: dict, args) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=max(Console().width, 100))
+    backends = payload["backends"]
+    n = payload["world_size"]
+    by = {(r["backend"], r["size"]): r for r in payload["results"]}
+    all_sizes = sorted({r["size"] for r in payload["results"]})
+    for b in backends:
+        title = f"{b}: {payload['op']} {payload['dtype']}, {n} ranks"
+        if b == "plait" and payload.get("wire"):
+            title += f", wire {payload['wire']}"
+        table = Table(title=title)
+        for col in ("size", "count", "algorithm", "p50 us", "p99 us", "algbw", "busbw", "#wrong"):
+            table.add_column(col, justify="left" if col == "algorithm" else "right")
+        for S in all_sizes:
+            r = by.get((b, S))
+            if r is None:
+                continue
+            table.add_row(_human(S), str(r["count"]), r["algorithm"], f"{r['time_p50_us']:.1f}",
+                          f"{r['time_p99_us']:.1f}", f"{r['algbw_GBps']:.3f}", f"{r['busbw_GBps']:.3f}",
+                          f"[red]{r['wrong']}[/red]" if r["wrong"] else "0")
+        console.print(table)
+    if len(backends) >= 2:
+        base = backends[-1]
+        table = Table(title=f"ratios against {base} (time: below 1 is faster; busbw: above 1 is faster)")
+        table.add_column("size", justify="right")
+        for b in backends[:-1]:
+            table.add_column(f"p50 {b}/{base}", justify="right")
+            table.add_column(f"busbw {b}/{base}", justify="right")
+        for S in all_sizes:
+            ref = by.get((base, S))
+            cells = [_human(S)]
+            for b in backends[:-1]:
+                r = by.get((b, S))
+                if r is None or ref is None:
+                    cells += ["-", "-"]
+                    continue
+                cells += [f"{r['time_p50_us'] / ref['time_p50_us']:.2f}",
+                          f"{r['busbw_GBps'] / ref['busbw_GBps']:.2f}" if ref["busbw_GBps"] else "-"]
+            table.add_row(*cells)
+        console.print(table)
+    console.print("algbw and busbw in GB/s (1e9 bytes); times are the slowest rank's per iteration.")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(payload, f, indent=1)
+        console.print(f"wrote {args.json}")
+    if args.plot:
+        plot(payload, args.plot)
+        console.print(f"wrote {args.plot}")
+
+
+def plot(payload: dict, path: str) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise SystemExit("plait bench --plot needs matplotlib: pip install matplotlib") from None
+    fig, (bw, lat) = plt.subplots(1, 2, figsize=(11, 4))
+    for b in payload["backends"]:
+        rs = sorted((r for r in payload["results"] if r["backend"] == b), key=lambda r: r["size"])
+        xs = [r["size"] for r in rs]
+        bw.plot(xs, [r["busbw_GBps"] for r in rs], marker="o", label=b)
+        lat.plot(xs, [r["time_p50_us"] for r in rs], marker="o", label=b)
+    for ax, ylabel in ((bw, "busbw (GB/s)"), (lat, "time p50 (us)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("size (bytes)")
+        ax.set_ylabel(ylabel)
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    lat.set_yscale("log")
+    fig.suptitle(f"{payload['op']} {payload['dtype']}, {payload['world_size']} ranks")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def launch(args) -> int:
+    """Spawns the local ranks, shows progress, prints rank 0's report."""
+    from rich.progress import Progress
+
+    n = args.nproc or 2
+    port = _free_port()
+    out = tempfile.NamedTemporaryFile(prefix="plait-bench-", suffix=".json", delete=False).name
+    argv = [a for a in sys.argv[1:] if a != "bench"]
+    procs = []
+    deadline = time.monotonic() + args.timeout
+    try:
+        for r in range(n):
+            env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(n), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+            cmd = [sys.executable, "-m", "plait.bench", "--worker", "--out", out, *argv]
+            procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE if r == 0 else subprocess.DEVNULL,
+                                          text=True, start_new_session=True))
+        with Progress(transient=True) as bar:
+            task = bar.add_task("measuring", total=None)
+            for line in procs[0].stdout:
+                if line.startswith("PROGRESS"):
+                    _, done, total, backend, size = line.split()
+                    bar.update(task, completed=int(done), total=int(total),
+                               description=f"{backend} {_human(int(size))}")
+                if time.monotonic() > deadline:
+                    break
+        codes = []
+        for p in procs:
+            try:
+                codes.append(p.wait(timeout=max(1.0, deadline - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                codes.append(None)
+        if any(c is None for c in codes):
+            print(f"plait bench: ranks did not finish within --timeout {args.timeout:.0f} s", file=sys.stderr)
+            return 2
+        if not os.path.exists(out) or os.path.getsize(out) == 0:
+            print(f"plait bench: rank 0 produced no results (exit codes {codes})", file=sys.stderr)
+            return 2
+        with open(out) as f:
+            payload = json.load(f)
+        report(payload, args)
+        return 0 if all(c == 0 for c in codes) else 1
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, 9)
+                except ProcessLookupError:
+                    pass
+        if os.path.exists(out):
+            os.unlink(out)
+
+
+def run(args) -> int:
+    under_launcher = all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+    if args.worker or (under_launcher and args.nproc is None):
+        return worker(args)
+    return launch(args)
+
+
+def main(argv=None) -> int:
+    return run(build_parser().parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
