@@ -1,7 +1,163 @@
 """The `plait` command."""
 
 import argparse
+import signal
 import sys
+
+
+def _testbed_parsers(sub):
+    tb = sub.add_parser("testbed", help="a direct-cabled mesh of network namespaces on this machine (root)",
+                        description="N network namespaces with a rate-limited cable (its own /24) per pair and "
+                        "a slower shared LAN. Needs root.")
+    tsub = tb.add_subparsers(dest="tb_command", metavar="action")
+    up = tsub.add_parser("up", help="build a testbed")
+    up.add_argument("--nodes", type=int, required=True, help="number of nodes (2..16)")
+    _common_build(up)
+    down = tsub.add_parser("down", help="remove a testbed and everything it created")
+    down.add_argument("--name", default="plaitbed")
+    down.add_argument("--force", action="store_true",
+                      help="also remove namespaces named like this testbed's when no state was recorded")
+    run = tsub.add_parser("run", help="run a command once per node (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set)",
+                          description="Runs CMD once per node of a testbed that is up; with --nodes, builds a "
+                          "testbed for this run and removes it afterwards.")
+    run.add_argument("--nodes", type=int, help="build a testbed of this many nodes for this run only")
+    _common_build(run)
+    run.add_argument("--timeout", type=float, default=600.0, help="seconds before every rank is killed (default 600)")
+    run.add_argument("--grace", type=float, default=10.0,
+                     help="seconds the other ranks get after one fails, before they are killed (default 10)")
+    run.add_argument("--env", action="append", default=[], metavar="K=V", help="extra environment variable")
+    run.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD ARGS...")
+    status = tsub.add_parser("status", help="list the testbeds that are up and their addresses")
+    status.add_argument("--json", action="store_true")
+    return tb
+
+
+def _common_build(p):
+    p.add_argument("--name", default="plaitbed", help="namespaces are NAME-0, NAME-1, ... (default plaitbed)")
+    p.add_argument("--link-rate", default="1gbit", help="rate of every cable, e.g. 1gbit, 10gbit, none (default 1gbit)")
+    p.add_argument("--lan-rate", default="100mbit", help="rate of every LAN port (default 100mbit)")
+    p.add_argument("--mtu", type=int, help="MTU of every cable end (default 1500)")
+    p.add_argument("--mtu-end", action="append", default=[], metavar="I:J=MTU",
+                   help="MTU of node I's end of the cable to node J only (repeatable), e.g. 0:1=9000 for a mismatch")
+    p.add_argument("--links", metavar="I-J,...", help="cable only these pairs (default: every pair, a full mesh)")
+
+
+def _build_kwargs(args):
+    from .testbed import TestbedError
+
+    ends = {}
+    for spec in args.mtu_end:
+        try:
+            pair, mtu = spec.split("=")
+            i, j = pair.split(":")
+            ends[(int(i), int(j))] = int(mtu)
+        except ValueError:
+            raise TestbedError(f"--mtu-end {spec!r}: use I:J=MTU, e.g. 0:1=9000") from None
+    links = None
+    if args.links:
+        try:
+            links = [tuple(int(x) for x in p.split("-")) for p in args.links.split(",") if p.strip()]
+        except ValueError:
+            raise TestbedError(f"--links {args.links!r}: use pairs like 0-1,1-2") from None
+    return dict(link_rate=args.link_rate, lan_rate=args.lan_rate, name=args.name, mtu=args.mtu, mtu_ends=ends,
+                links=links)
+
+
+def _sigterm_as_exit():
+    """So that `finally` blocks (testbed teardown, killing ranks) run on SIGTERM too."""
+    def handler(signum, frame):
+        raise SystemExit(128 + signum)
+
+    try:
+        signal.signal(signal.SIGTERM, handler)
+        signal.signal(signal.SIGHUP, handler)
+    except (ValueError, OSError):
+        pass
+
+
+def _testbed(args, parser):
+    from rich.console import Console
+
+    from . import testbed as T
+
+    console = Console(stderr=True, highlight=False)
+    _sigterm_as_exit()
+    try:
+        if args.tb_command == "up":
+            tb = T.Testbed(args.nodes, **_build_kwargs(args))
+            tb.up()
+            tb._state = None  # stays up after this process exits
+            _print_status([tb.describe()], console)
+            console.print(f"run commands on it with `plait testbed run{_name_opt(args)} -- CMD`, remove it with "
+                          f"`plait testbed down{_name_opt(args)}`")
+            return 0
+        if args.tb_command == "down":
+            removed = T.down(args.name, force=args.force)
+            console.print(f"removed {', '.join(removed)}" if removed else f"no testbed named {args.name!r} was up")
+            return 0
+        if args.tb_command == "status":
+            beds = T.list_testbeds()
+            if args.json:
+                import json
+
+                print(json.dumps(beds, indent=1))
+            elif beds:
+                _print_status(beds, Console(highlight=False))
+            else:
+                console.print("no testbed is up")
+            return 0
+        if args.tb_command == "run":
+            cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+            if not cmd:
+                parser.error("testbed run: give the command after --, e.g. plait testbed run -- plait doctor")
+            env = {}
+            for kv in args.env:
+                if "=" not in kv:
+                    parser.error(f"--env {kv!r}: use K=V")
+                k, v = kv.split("=", 1)
+                env[k] = v
+            if args.nodes:
+                with T.Testbed(args.nodes, **_build_kwargs(args)) as tb:
+                    res = tb.run(cmd, timeout=args.timeout, env=env, grace=args.grace)
+            else:
+                tb = T.Testbed.attach(args.name)
+                res = tb.run(cmd, timeout=args.timeout, env=env, grace=args.grace)
+            if not res.ok:
+                bad = [f"rank {r}: {'killed' if c is not None and c < 0 else f'exit {c}'}"
+                       for r, c in enumerate(res.returncodes) if c]
+                console.print("[red]plait testbed run: " + ("timed out; " if res.timed_out else "")
+                              + ", ".join(bad))
+            return res.exit_code
+        parser.parse_args(["testbed", "--help"])
+        return 2
+    except T.TestbedError as e:
+        console.print(f"[red]plait testbed: {e}")
+        return 2
+    except KeyboardInterrupt:
+        console.print("[red]plait testbed: interrupted")
+        return 130
+
+
+def _name_opt(args):
+    return "" if args.name == "plaitbed" else f" --name {args.name}"
+
+
+def _print_status(beds, console):
+    from rich.table import Table
+
+    from .testbed import format_rate
+
+    for d in beds:
+        t = Table(title=f"testbed {d['name']}: {d['nodes']} nodes, cables {format_rate(d['link_rate_bps'])}, LAN "
+                  f"{format_rate(d['lan_rate_bps'])} ({d['lan_subnet']}), MASTER_ADDR {d['master_addr']}",
+                  title_justify="left")
+        for c in ("node", "namespace", "LAN (lan0)", "cables: interface address -> peer"):
+            t.add_column(c)
+        for node in d["node_list"]:
+            cables = ", ".join(f"{c['iface']} {c['addr']} -> {c['peer']}" + (f" (mtu {c['mtu']})" if c["mtu"] != 1500
+                                                                                  else "") for c in node["cables"])
+            t.add_row(str(node["node"]), node["namespace"], node["lan"], cables)
+        console.print(t)
 
 
 def main(argv=None):
@@ -12,6 +168,14 @@ def main(argv=None):
     demo.add_argument("--nproc", type=int, default=3, help="number of local ranks (default 3, at least 2)")
     demo.add_argument("--quick", action="store_true", help="smaller sweep and reference transfer")
     demo.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    demo.add_argument("--no-mesh", action="store_true", help="skip the act on a mesh testbed (root only)")
+    doctor = sub.add_parser("doctor", help="interfaces, routes, RTT and bandwidth between the ranks, and what is wrong",
+                            description="Run once per rank like the job (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT "
+                            "set), e.g. `plait testbed run -- plait doctor`, or `plait doctor --local 3`.")
+    from .doctor import add_arguments
+
+    add_arguments(doctor)
+    _testbed_parsers(sub)
     args = parser.parse_args(argv)
     if args.version:
         import plait
@@ -23,7 +187,13 @@ def main(argv=None):
             parser.error("--nproc must be at least 2")
         from .demo import run
 
-        return run(nproc=args.nproc, quick=args.quick, json_path=args.json)
+        return run(nproc=args.nproc, quick=args.quick, json_path=args.json, mesh=not args.no_mesh)
+    if args.command == "doctor":
+        from .doctor import main as doctor_main
+
+        return doctor_main(args)
+    if args.command == "testbed":
+        return _testbed(args, parser)
     parser.print_help()
     return 2
 

@@ -1,0 +1,108 @@
+"""One rank of a testbed allreduce measurement (used by plait.testbed.bench and the demo's mesh act).
+
+    python -m plait.testbed._worker --lib plait|gloo --bytes N --iters K [--warmup W] [--timeout T]
+
+Reads RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; allreduces a float32 buffer of N bytes K times
+(after W warm-up rounds), checks the result exactly, and prints one JSON line:
+{"ev": "result", "lib", "rank", "times": [s, ...], "ok", "err", "algo", "topology", "routes"}.
+"""
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+import traceback
+
+import numpy as np
+
+
+def emit(**ev):
+    sys.stdout.write("@@" + json.dumps(ev) + "\n")
+    sys.stdout.flush()
+
+
+def _plait(args, rank, n):
+    import plait
+    from plait.doctor import DoctorStore  # small store: no torch import (seconds) in every rank
+
+    store = DoctorStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), rank == 0, args.timeout)
+    comm = plait.Communicator(store, rank, n, timeout=args.timeout)
+    try:
+        count = args.bytes // 4
+        x = np.full(count, rank + 1, np.float32)
+        want = n * (n + 1) / 2
+        out = np.empty_like(x)
+        info = {"algo": comm.algorithm_for("allreduce", args.bytes), "routes": _routes(comm),
+                "topology": comm._comm.topology() if hasattr(comm._comm, "topology") else None}
+        for _ in range(args.warmup):
+            comm.allreduce(x, out=out)
+        times, ok = [], True
+        for _ in range(args.iters):
+            comm.barrier()
+            t0 = time.perf_counter()
+            comm.allreduce(x, out=out)
+            times.append(time.perf_counter() - t0)
+            ok = ok and bool(out[0] == want and out[-1] == want and out[count // 2] == want)
+        ok = ok and bool(np.all(out == want))
+        return dict(info, times=times, ok=ok)
+    finally:
+        comm.close()
+        if rank == 0:
+            time.sleep(0.3)  # rank 0 serves the store: let the others finish their last calls
+
+
+def _routes(comm):
+    out = []
+    for r in comm.routes():
+        out.append({k: (v if isinstance(v, (str, int, float, bool, type(None))) else str(v)) for k, v in r.items()})
+    return out
+
+
+def _gloo(args, rank, n):
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", rank=rank, world_size=n, timeout=datetime.timedelta(seconds=args.timeout))
+    try:
+        count = args.bytes // 4
+        x = torch.full((count,), float(rank + 1), dtype=torch.float32)
+        want = n * (n + 1) / 2
+        for _ in range(args.warmup):
+            y = x.clone()
+            dist.all_reduce(y)
+        times, ok = [], True
+        for _ in range(args.iters):
+            y = x.clone()
+            dist.barrier()
+            t0 = time.perf_counter()
+            dist.all_reduce(y)
+            times.append(time.perf_counter() - t0)
+            ok = ok and bool((y == want).all())
+        return {"times": times, "ok": ok, "algo": "gloo default", "routes": None, "topology": None}
+    finally:
+        dist.destroy_process_group()
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser()
+    p.add_argument("--lib", choices=("plait", "gloo"), required=True)
+    p.add_argument("--bytes", type=int, default=64 * 2**20)
+    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--timeout", type=float, default=120.0)
+    args = p.parse_args(argv)
+    rank, n = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    try:
+        res = (_plait if args.lib == "plait" else _gloo)(args, rank, n)
+        emit(ev="result", lib=args.lib, rank=rank, bytes=args.bytes, err=None, **res)
+        return 0 if res["ok"] else 1
+    except Exception as e:
+        emit(ev="result", lib=args.lib, rank=rank, bytes=args.bytes, times=[], ok=False,
+             err=f"{type(e).__name__}: {e}", trace=traceback.format_exc(limit=3))
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,175 @@
+"""The mesh benchmark: allreduce on a testbed of N nodes with a cable per pair and a slower LAN,
+plait against the full-mesh bound 2S/(N B), gloo with default settings, and gloo with the best
+manual workaround. Everything is measured in the same run, on the same testbed.
+
+    sudo python -m plait.testbed.bench                       # N = 3 and 4, 64 MiB, 1gbit cables, 100mbit LAN
+    sudo python -m plait.testbed.bench --nodes 3 --mib 16 --json bench.json
+
+The gloo workaround (what a careful user would set up by hand): every node gets a /32 "node"
+address on its loopback (10.200.0.<i+1>), a static host route to every other node's address over
+the cable to that node (`ip route add 10.200.0.2/32 via 10.1.2.2 dev mesh1 src 10.200.0.1`), its
+hostname resolves to its node address (/etc/hosts), and MASTER_ADDR is node 0's node address. gloo
+binds to whatever the hostname resolves to, so its full mesh of pair connections then runs over
+the cables. (GLOO_SOCKET_IFNAME=lo would pick 127.0.0.1, which peers cannot reach.) gloo's ring
+still uses one cable per direction of each node.
+
+Times are the slowest rank's median of `--iters` allreduces after a warm-up (gloo over the LAN:
+one allreduce, no warm-up: one round takes ~7 s at 100 Mbit/s).
+"""
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+from rich.console import Console
+from rich.table import Table
+
+from . import Testbed, TestbedError, check_can_build, format_rate, node_addr, parse_rate
+
+_NOISE = ("hostname of the client socket cannot be retrieved",)
+
+
+def measure(tb, lib, *, nbytes, iters, warmup, timeout, env=None, console=None):
+    """Runs the allreduce worker on every node; returns {"t", "ok", "err", "algo", "topology",
+    "routes", "per_rank"} with t = the slowest rank's median time in seconds."""
+    cmd = [sys.executable, "-m", "plait.testbed._worker", "--lib", lib, "--bytes", str(nbytes), "--iters",
+           str(iters), "--warmup", str(warmup), "--timeout", str(timeout)]
+    res = tb.run(cmd, timeout=timeout + 30, env=env, stream=False, grace=5.0)
+    per_rank, errs = [], []
+    for r in range(tb.n):
+        ev = None
+        for line in res.lines[r]:
+            if line.startswith("@@"):
+                try:
+                    ev = json.loads(line[2:])
+                except ValueError:
+                    pass
+        if ev is None:
+            tail = [x for x in res.lines[r] if not any(s in x for s in _NOISE)][-5:]
+            errs.append(f"rank {r}: exit {res.returncodes[r]}" + (" (timed out)" if res.timed_out else "")
+                        + (": " + " | ".join(tail) if tail else ""))
+            continue
+        if ev.get("err"):
+            errs.append(f"rank {r}: {ev['err']}")
+        per_rank.append(ev)
+    ok = not errs and len(per_rank) == tb.n and all(e["ok"] for e in per_rank)
+    t = max(statistics.median(e["times"]) for e in per_rank) if per_rank and all(e["times"] for e in per_rank) else None
+    first = per_rank[0] if per_rank else {}
+    return {"lib": lib, "t": t, "ok": ok, "err": "; ".join(errs) or None, "algo": first.get("algo"),
+            "topology": first.get("topology"), "routes": {e["rank"]: e.get("routes") for e in per_rank},
+            "times": {e["rank"]: e["times"] for e in per_rank}}
+
+
+def bench_world(n, *, link_rate, lan_rate, nbytes, iters, timeout, gloo_default=True, gloo_workaround=True,
+                name="plaitbench", console=None, log=print):
+    """All measurements on one n-node testbed. Returns a dict (JSON-able)."""
+    link_bps, lan_bps = parse_rate(link_rate), parse_rate(lan_rate)
+    out = {"nodes": n, "bytes": nbytes, "link_rate_bps": link_bps, "lan_rate_bps": lan_bps, "runs": []}
+    if link_bps:
+        b = link_bps / 8
+        out["bound_full_mesh_s"] = 2 * nbytes / (n * b)
+        out["bound_ring_over_cables_s"] = 2 * (n - 1) / n * nbytes / b
+    if lan_bps:
+        out["bound_lan_s"] = 2 * (n - 1) / n * nbytes / (lan_bps / 8)
+    with Testbed(n, link_rate=link_rate, lan_rate=lan_rate, name=name, node_addrs=True) as tb:
+        log(f"N={n}: plait ({iters} x {nbytes / 2**20:g} MiB) ...")
+        out["runs"].append(dict(measure(tb, "plait", nbytes=nbytes, iters=iters, warmup=1, timeout=timeout),
+                                config="plait, zero configuration"))
+        if gloo_default:
+            log(f"N={n}: gloo, default settings (hostname -> LAN address) ...")
+            out["runs"].append(dict(measure(tb, "gloo", nbytes=nbytes, iters=1, warmup=0, timeout=timeout),
+                                    config="gloo, default (LAN)"))
+        if gloo_workaround:
+            log(f"N={n}: gloo with node addresses and host routes over the cables ...")
+            tb.resolve_hostnames("node")
+            try:
+                out["runs"].append(dict(measure(tb, "gloo", nbytes=nbytes, iters=max(2, iters // 2), warmup=1,
+                                                timeout=timeout, env={"MASTER_ADDR": node_addr(0)}),
+                                        config="gloo, workaround: node addrs + host routes"))
+            finally:
+                tb.resolve_hostnames("lan")
+    return out
+
+
+def report(results, console):
+    t = Table(title="allreduce, float32, on the mesh testbed (slowest rank's median)")
+    for c in ("N", "size", "configuration", "time", "busbw Gbit/s", "x bound 2S/(NB)", "plait faster by"):
+        t.add_column(c, justify="left" if c == "configuration" else "right")
+    for w in results:
+        n, nbytes = w["nodes"], w["bytes"]
+        bound = w.get("bound_full_mesh_s")
+        plait_t = next((r["t"] for r in w["runs"] if r["lib"] == "plait" and r["ok"]), None)
+        for r in w["runs"]:
+            if r["t"] is None or not r["ok"]:
+                t.add_row(str(n), f"{nbytes / 2**20:g} MiB", r["config"], "[red]FAILED", "", "", "")
+                continue
+            busbw = nbytes / r["t"] * 2 * (n - 1) / n * 8 / 1e9
+            ratio = f"{r['t'] / bound:.2f}" if bound else "-"
+            faster = f"{r['t'] / plait_t:.2f} x" if plait_t and r["lib"] != "plait" else ""
+            label = r["config"] + (f" [dim]({r['algo']} on {r['topology']})" if r["lib"] == "plait" else "")
+            t.add_row(str(n), f"{nbytes / 2**20:g} MiB", label, f"{r['t'] * 1e3:.0f} ms", f"{busbw:.2f}", ratio, faster)
+        if bound:
+            t.add_row(str(n), "", "[dim]bound 2S/(N B) over the cables", f"[dim]{bound * 1e3:.0f} ms", "", "[dim]1.00", "")
+        t.add_section()
+    console.print(t)
+    for w in results:
+        for r in w["runs"]:
+            if r["err"]:
+                console.print(f"[red]N={w['nodes']} {r['config']}: {r['err']}", highlight=False)
+    w0 = results[0] if results else None
+    if w0:
+        console.print(f"cables {format_rate(w0['link_rate_bps'])} each, LAN {format_rate(w0['lan_rate_bps'])} "
+                      "(tc tbf, both directions); B in the bound is the configured cable rate, so TCP/IP header "
+                      "overhead (~5%) is inside the ratio.", highlight=False)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m plait.testbed.bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--nodes", type=int, nargs="+", default=[3, 4])
+    p.add_argument("--link-rate", default="1gbit")
+    p.add_argument("--lan-rate", default="100mbit")
+    p.add_argument("--mib", type=float, default=64, help="allreduce size in MiB (default 64)")
+    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--timeout", type=float, default=180, help="seconds per measurement")
+    p.add_argument("--no-gloo-default", action="store_true", help="skip gloo over the LAN (the slowest part)")
+    p.add_argument("--no-gloo", action="store_true", help="plait only")
+    p.add_argument("--json", metavar="PATH")
+    p.add_argument("--name", default="plaitbench")
+    args = p.parse_args(argv)
+    console = Console(width=max(130, Console().width))
+    why = check_can_build()
+    if why:
+        console.print(f"[red]cannot run the mesh benchmark: {why}")
+        return 2
+    if not args.no_gloo:
+        try:
+            import torch.distributed  # noqa: F401
+        except ImportError:
+            console.print("[red]the gloo comparison needs torch: pip install 'plait[torch]' (or pass --no-gloo)")
+            return 2
+    nbytes = int(args.mib * 2**20) // 4 * 4
+    results = []
+    t0 = time.monotonic()
+    try:
+        for n in args.nodes:
+            results.append(bench_world(n, link_rate=args.link_rate, lan_rate=args.lan_rate, nbytes=nbytes,
+                                       iters=args.iters, timeout=args.timeout, name=args.name,
+                                       gloo_default=not (args.no_gloo or args.no_gloo_default),
+                                       gloo_workaround=not args.no_gloo,
+                                       log=lambda m: console.print(f"[dim]{m}", highlight=False)))
+    except TestbedError as e:
+        console.print(f"[red]{e}")
+        return 2
+    report(results, console)
+    console.print(f"[dim]{time.monotonic() - t0:.0f} s in all; command: python -m plait.testbed.bench "
+                  + " ".join(argv if argv is not None else sys.argv[1:]), highlight=False)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"command": sys.argv, "results": results}, f, indent=1)
+    return 0 if all(r["ok"] for w in results for r in w["runs"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
