@@ -112,8 +112,12 @@ class Communicator:
         return self._comm.algorithm_for(coll, nbytes, root)
 
     def routes(self):
-        """Per peer: the local and remote address used and why."""
+        """Per peer: the local and remote address and interface used, why, and the start-up RTT."""
         return self._comm.routes()
+
+    def topology(self):
+        """"full_mesh", "shared", "partial_mesh" or "single": how the ranks are wired (all agree)."""
+        return self._comm.topology()
 
     # -- reductions ----------------------------------------------------------------------------
     def allreduce(self, x, op="sum", *, out=None, factor=None, timeout=None, algo=None, wire=None, async_op=False):

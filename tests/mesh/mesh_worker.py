@@ -76,7 +76,7 @@ def main():
     except Exception as e:
         emit(ev="comm_error", rank=rank, err=f"{type(e).__name__}: {e}")
         return 1
-    emit(ev="comm", rank=rank, routes=[dict(r) for r in comm.routes()], topology=comm._comm.topology(),
+    emit(ev="comm", rank=rank, routes=[dict(r) for r in comm.routes()], topology=comm.topology(),
          algo=comm.algorithm_for("allreduce", 64 * 2**20))
     code = 0
     try:

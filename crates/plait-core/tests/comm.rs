@@ -168,3 +168,27 @@ fn wire_compression_refuses_what_it_cannot_do() {
     });
     assert!(results.iter().all(|ok| *ok));
 }
+
+#[test]
+fn async_receives_posted_before_their_sends_do_not_deadlock() {
+    // Every rank posts a receive from every peer, async, before sending anything: with a fixed
+    // pool of workers the receives would hold every worker and the sends would never run.
+    let n = 4;
+    let results = world(n, 0, move |comm| {
+        let r = comm.rank();
+        let mut inbox: Vec<Vec<f32>> = (0..n).map(|_| vec![0.0f32; 1000]).collect();
+        let mut outbox = vec![r as f32; 1000];
+        let mut works = Vec::new();
+        for (p, buf) in inbox.iter_mut().enumerate().filter(|(p, _)| *p != r) {
+            works.push(comm.recv(f32_buf(buf), DType::F32, Some(p), 7, Some(Duration::from_secs(10)), false).unwrap());
+        }
+        for p in (0..n).filter(|&p| p != r) {
+            works.push(comm.send(f32_buf(&mut outbox), DType::F32, p, 7, Some(Duration::from_secs(10)), false).unwrap());
+        }
+        for w in works {
+            w.wait(Some(Duration::from_secs(15))).expect("finished").unwrap();
+        }
+        (0..n).filter(|&p| p != r).all(|p| inbox[p].iter().all(|v| *v == p as f32))
+    });
+    assert!(results.iter().all(|ok| *ok));
+}

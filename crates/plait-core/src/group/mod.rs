@@ -31,14 +31,18 @@ use inbox::CommInbox;
 use topology::RouteFile;
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 pub const DEFAULT_SEGMENT_BYTES: usize = 1 << 20;
 const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
-const ASYNC_WORKERS: usize = 2;
+/// Async operations run on worker threads; a new one starts whenever none is idle, so an
+/// operation never waits behind another (an async receive posted before its matching send
+/// would otherwise deadlock). Workers beyond this many exit after a while idle.
+const ASYNC_WORKERS_KEPT: usize = 2;
+const WORKER_IDLE_EXIT: Duration = Duration::from_secs(10);
 
 #[derive(Clone, Debug)]
 pub struct CommConfig {
@@ -147,6 +151,9 @@ pub struct Communicator {
     topology: Topology,
     closed: AtomicBool,
     jobs: Mutex<Option<crossbeam_channel::Sender<Job>>>,
+    job_queue: crossbeam_channel::Receiver<Job>,
+    idle_workers: Arc<AtomicUsize>,
+    live_workers: Arc<AtomicUsize>,
     workers: Mutex<Vec<JoinHandle<()>>>,
 }
 
@@ -241,7 +248,7 @@ impl Communicator {
                 let same_host = info.machine == me.machine;
                 let candidates = match &route_file {
                     Some(rf) => vec![rf.route(rank, &me.addrs, peer, &info.addrs)?],
-                    None => candidate_routes(&me.addrs, &info.addrs, same_host, filter.as_ref()),
+                    None => prefer_dedicated(candidate_routes(&me.addrs, &info.addrs, same_host, filter.as_ref()), &infos, peer),
                 };
                 let (stream, route) = connect_first(&candidates, info, &Hello { to: peer as u32, ..hello.clone() }, deadline)?;
                 routes.push(LinkRecord {
@@ -317,19 +324,6 @@ impl Communicator {
             }
         }
         let (tx, rx) = crossbeam_channel::unbounded::<Job>();
-        let workers = (0..ASYNC_WORKERS)
-            .map(|i| {
-                let rx = rx.clone();
-                std::thread::Builder::new()
-                    .name(format!("plait-op-{i}"))
-                    .spawn(move || {
-                        for job in rx {
-                            job.work.complete((job.run)());
-                        }
-                    })
-                    .expect("spawn worker")
-            })
-            .collect();
         Ok(Arc::new(Communicator {
             cfg,
             fabric,
@@ -340,7 +334,10 @@ impl Communicator {
             topology,
             closed: AtomicBool::new(false),
             jobs: Mutex::new(Some(tx)),
-            workers: Mutex::new(workers),
+            job_queue: rx,
+            idle_workers: Arc::new(AtomicUsize::new(0)),
+            live_workers: Arc::new(AtomicUsize::new(0)),
+            workers: Mutex::new(Vec::new()),
         }))
     }
 
@@ -543,13 +540,46 @@ impl Communicator {
             return Ok(work);
         }
         let jobs = self.jobs.lock();
-        match jobs.as_ref() {
-            Some(tx) => {
-                tx.send(Job { run, work: work.clone() }).map_err(|_| PlaitError::Broken("the communicator was closed".into()))?;
-                Ok(work)
-            }
-            None => Err(PlaitError::Broken("the communicator was closed".into())),
+        let Some(tx) = jobs.as_ref() else {
+            return Err(PlaitError::Broken("the communicator was closed".into()));
+        };
+        // Claim an idle worker, or start one: a queued job must never wait for a busy one.
+        let claimed = self.idle_workers.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |i| i.checked_sub(1)).is_ok();
+        if !claimed {
+            self.spawn_worker()?;
         }
+        tx.send(Job { run, work: work.clone() }).map_err(|_| PlaitError::Broken("the communicator was closed".into()))?;
+        Ok(work)
+    }
+
+    fn spawn_worker(&self) -> Result<()> {
+        let (rx, idle, live) = (self.job_queue.clone(), self.idle_workers.clone(), self.live_workers.clone());
+        let id = live.fetch_add(1, Ordering::SeqCst);
+        let handle = std::thread::Builder::new()
+            .name(format!("plait-op-{id}"))
+            .spawn(move || loop {
+                let job = match rx.recv_timeout(WORKER_IDLE_EXIT) {
+                    Ok(job) => job,
+                    Err(crossbeam_channel::RecvTimeoutError::Timeout) => {
+                        // Leave only if this worker is still counted idle and enough remain.
+                        let leave = live.load(Ordering::SeqCst) > ASYNC_WORKERS_KEPT
+                            && idle.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |i| i.checked_sub(1)).is_ok();
+                        if leave {
+                            live.fetch_sub(1, Ordering::SeqCst);
+                            return;
+                        }
+                        continue;
+                    }
+                    Err(crossbeam_channel::RecvTimeoutError::Disconnected) => return,
+                };
+                job.work.complete((job.run)());
+                idle.fetch_add(1, Ordering::SeqCst);
+            })
+            .map_err(|e| PlaitError::Io(format!("cannot start a worker thread: {e}")))?;
+        let mut workers = self.workers.lock();
+        workers.retain(|h| !h.is_finished());
+        workers.push(handle);
+        Ok(())
     }
 
     /// The algorithm the selector picks for a call of `nbytes` (per rank buffer).
@@ -595,6 +625,29 @@ impl Drop for Communicator {
     }
 }
 
+/// Among subnet matches, a subnet this peer alone shares with us (a cable) goes before one that
+/// other ranks are on too (a LAN or switch), whatever the interfaces report as speed: a shared
+/// medium divides its bandwidth, a cable does not. The order is otherwise kept.
+fn prefer_dedicated(mut candidates: Vec<Route>, infos: &[PeerInfo], peer: usize) -> Vec<Route> {
+    let sharing = |r: &Route| -> usize {
+        if r.local.is_loopback() || !r.reason.starts_with("subnet match") {
+            return 0;
+        }
+        infos.iter().filter(|i| i.rank != peer && i.addrs.iter().any(|a| r.local.contains(a.ip) && a.ip != r.local.ip)).count()
+    };
+    let keyed: Vec<(bool, usize)> = candidates.iter().map(|r| (r.reason.starts_with("subnet match"), sharing(r))).collect();
+    let mut order: Vec<usize> = (0..candidates.len()).collect();
+    // Only subnet matches move, and only among themselves.
+    let subnet_slots: Vec<usize> = order.iter().copied().filter(|&i| keyed[i].0).collect();
+    let mut sorted = subnet_slots.clone();
+    sorted.sort_by_key(|&i| keyed[i].1);
+    for (slot, i) in subnet_slots.iter().zip(sorted) {
+        order[*slot] = i;
+    }
+    let mut taken: Vec<Option<Route>> = candidates.drain(..).map(Some).collect();
+    order.into_iter().map(|i| taken[i].take().unwrap()).collect()
+}
+
 /// Tries the candidate routes in order; each but the last gets a bounded share of the time.
 fn connect_first(candidates: &[Route], info: &PeerInfo, hello: &Hello, deadline: Instant) -> Result<(std::net::TcpStream, Route)> {
     if candidates.is_empty() {
@@ -610,7 +663,13 @@ fn connect_first(candidates: &[Route], info: &PeerInfo, hello: &Hello, deadline:
         let last = i + 1 == candidates.len();
         let d = if last { deadline } else { deadline.min(Instant::now() + Duration::from_secs(5)) };
         match connect(route, info.port, hello, d) {
-            Ok(s) => return Ok((s, route.clone())),
+            Ok(s) => {
+                let mut route = route.clone();
+                if !errors.is_empty() {
+                    route.reason = format!("{} (after {} failed)", route.reason, errors.join("; "));
+                }
+                return Ok((s, route));
+            }
             Err(e) => {
                 tracing::warn!(peer = info.rank, route = %route.peer_ip, "route failed, trying the next: {e}");
                 errors.push(format!("{} -> {}: {e}", route.local.ip, route.peer_ip));
