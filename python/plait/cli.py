@@ -175,6 +175,13 @@ def main(argv=None):
     from .doctor import add_arguments
 
     add_arguments(doctor)
+    bench = sub.add_parser("bench", help="nccl-tests-style sweep, plait next to other backends in one run",
+                           description="Spawns --nproc local ranks on loopback (default 2), or, under torchrun or "
+                           "`plait testbed run`, measures the real links. Example: plait bench --backend plait,gloo "
+                           "-b 8 -e 128M -f 2")
+    from .bench import build_parser as bench_arguments
+
+    bench_arguments(bench)
     _testbed_parsers(sub)
     args = parser.parse_args(argv)
     if args.version:
@@ -192,6 +199,10 @@ def main(argv=None):
         from .doctor import main as doctor_main
 
         return doctor_main(args)
+    if args.command == "bench":
+        from .bench import run as bench_run
+
+        return bench_run(args)
     if args.command == "testbed":
         return _testbed(args, parser)
     parser.print_help()
