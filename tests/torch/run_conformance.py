@@ -1,8 +1,11 @@
 """PyTorch's own DistributedTest suite against a torch.distributed backend (plait by default).
 
-    python tests/torch/run_conformance.py                     # the CI subset (plait, WORLD_SIZE 3)
+    python tests/torch/run_conformance.py                     # CI subset "world3" (plait, WORLD_SIZE 3)
+    python tests/torch/run_conformance.py --subset groups8    # subgroup tests (WORLD_SIZE 8)
+    python tests/torch/run_conformance.py --subset as_gloo3   # gloo-gated tests, plait underneath
     python tests/torch/run_conformance.py --full              # every test
     python tests/torch/run_conformance.py --backend gloo --full
+    python tests/torch/run_conformance.py --as-gloo --full    # as if BACKEND were gloo, plait underneath
     python tests/torch/run_conformance.py -k test_all_reduce  # unittest -k patterns
 
 Each test spawns WORLD_SIZE fresh processes; tests gated on BACKEND == "gloo"/"nccl" skip
@@ -90,38 +93,49 @@ class TestConformance(TestDistBackend, DistributedTest._DistTestBase):
         super()._run(rank, test_name, file_name, pipe, **kwargs)
 
 
-# The CI subset: every collective (sync, async, subgroup and full-group forms, the dtypes plait
-# adds), object collectives, p2p, barrier, and DDP. See tests/torch/README.md for the rationale.
-CI_SUBSET = [
-    "test_all_reduce_sum", "test_all_reduce_sum_async", "test_all_reduce_group_sum",
-    "test_all_reduce_full_group_sum", "test_all_reduce_product", "test_all_reduce_min", "test_all_reduce_max",
-    "test_all_reduce_sum_complex", "test_all_reduce_result_cuda",
-    "test_all_reduce_coalesced_sum", "test_all_reduce_coalesced_max", "test_all_reduce_coalesced_group_sum",
-    "test_all_reduce_coalesced_full_group_max",
-    "test_reduce_sum", "test_reduce_group_max", "test_reduce_full_group_min", "test_reduce_product",
-    "test_broadcast", "test_broadcast_group", "test_broadcast_full_group",
-    "test_all_gather", "test_all_gather_group", "test_all_gather_full_group", "test_all_gather_complex",
-    "test_all_gather_into_tensor_ops", "test_all_gather_into_tensor_basic",
-    "test_all_gather_coalesced_simple", "test_all_gather_v",
-    "test_gather", "test_gather_group", "test_gather_full_group",
-    "test_scatter", "test_scatter_group", "test_scatter_full_group", "test_scatter_complex",
-    "test_reduce_scatter_tensor", "test_reduce_scatter_v",
-    "test_all_to_all", "test_all_to_all_group", "test_all_to_all_single_equal_split",
-    "test_all_to_all_single_unequal_split", "test_all_to_all_single_unequal_split_group",
-    "test_all_to_all_full_group",
-    "test_barrier", "test_barrier_group", "test_barrier_full_group", "test_barrier_timeout_global",
-    "test_send_recv", "test_send_recv_any_source", "test_send_recv_with_tag", "test_isend",
-    "test_irecv", "test_batch_isend_irecv_op_list_err",
-    "test_all_gather_object_default_pg", "test_gather_object", "test_broadcast_object_list",
-    "test_scatter_object_list",
-    "test_new_subgroups", "test_new_subgroups_by_enumeration", "test_backend_group", "test_backend_full_group",
-    "test_get_rank_size_group", "test_get_backend", "test_destroy_group", "test_destroy_full_group",
-    "test_DistributedDataParallel_SyncBatchNorm", "test_ddp_comm_hook_logging",
-    "test_DistributedDataParallelCPU", "test_DistributedDataParallelCPU_grad_is_view",
-    "test_ddp_unused_params_rebuild_buckets_exception", "test_ddp_shared_grad_acc_unused_params",
-    "test_ddp_no_sync", "test_ddp_static_graph_nested_types", "test_ddp_hook_parity_allreduce",
-    "test_ddp_zero_output_features", "test_ddp_logging_data_cpu", "test_ddp_control_flow_same_across_ranks",
-]
+# CI subsets. "world3": every test this suite runs on CPU at WORLD_SIZE 3 (every collective in
+# its sync, async, complex and profiled forms, p2p, object collectives, DDP). "groups8": the
+# subgroup tests, which this torch skips below WORLD_SIZE 8. "as_gloo3": tests the suite gates on
+# BACKEND == "gloo" (get_future, all_reduce_coalesced, batch_isend_irecv, monitored_barrier,
+# scatter_object_list, DDP no_sync with hooks), run with --as-gloo.
+SUBSETS = {
+    "world3": dict(world_size="3", as_gloo=False, tests="""
+        test_Backend_enum_class test_DistributedDataParallelCPU test_DistributedDataParallelCPU_grad_is_view
+        test_DistributedDataParallel_requires_grad test_all_gather test_all_gather_coalesced_complex
+        test_all_gather_coalesced_full_group test_all_gather_coalesced_simple test_all_gather_coalesced_with_empty
+        test_all_gather_complex test_all_gather_full_group test_all_gather_object_default_pg
+        test_all_gather_object_subgroup test_all_reduce_coalesced_max_complex_unsupported
+        test_all_reduce_complex_unsupported_ops test_all_reduce_full_group_max test_all_reduce_full_group_min
+        test_all_reduce_full_group_product test_all_reduce_full_group_sum test_all_reduce_max test_all_reduce_min
+        test_all_reduce_product test_all_reduce_sum test_all_reduce_sum_async test_all_reduce_sum_complex
+        test_barrier test_barrier_full_group test_broadcast test_broadcast_full_group test_ddp_create_graph
+        test_ddp_logging_data_cpu test_destroy_full_group test_destroy_group test_dump_DDP_relevant_env_vars
+        test_gather test_gather_checks test_gather_full_group test_get_backend test_get_rank
+        test_get_rank_size_full_group test_get_rank_size_group test_irecv test_isend test_isend_autograd_profiler
+        test_isend_torch_profiler test_reduce_full_group_max test_reduce_full_group_min
+        test_reduce_full_group_product test_reduce_full_group_sum test_reduce_max test_reduce_min
+        test_reduce_product test_reduce_sum test_reduce_sum_twice test_scatter test_scatter_checks
+        test_scatter_complex test_scatter_full_group test_send_recv test_send_recv_any_source
+        test_send_recv_any_source_autograd_profiler test_send_recv_any_source_torch_profiler
+        test_send_recv_autograd_profiler test_send_recv_torch_profiler test_send_recv_with_tag
+        test_send_recv_with_tag_autograd_profiler test_send_recv_with_tag_torch_profiler test_static_graph_api_cpu
+    """),
+    "groups8": dict(world_size="8", as_gloo=False, tests="""
+        test_all_gather_coalesced_group test_all_gather_group test_all_reduce_group_max test_all_reduce_group_min
+        test_all_reduce_group_product test_all_reduce_group_sum test_barrier_group test_broadcast_group
+        test_gather_group test_reduce_group_max test_reduce_group_min test_reduce_group_product
+        test_reduce_group_sum test_scatter_group test_all_reduce_full_group_sum test_destroy_group
+        test_get_rank_size_group
+    """),
+    "as_gloo3": dict(world_size="3", as_gloo=True, tests="""
+        test_accumulate_gradients_no_sync test_accumulate_gradients_no_sync_allreduce_hook
+        test_accumulate_gradients_no_sync_allreduce_with_then_hook test_accumulate_gradients_no_sync_grad_is_view
+        test_all_reduce_coalesced_max test_all_reduce_coalesced_min test_all_reduce_coalesced_product
+        test_all_reduce_coalesced_sum test_all_reduce_coalesced_full_group_sum test_batch_isend_irecv_gloo
+        test_batch_isend_irecv_gloo_tags test_get_future test_grads_same_across_ranks_with_no_sync
+        test_monitored_barrier_gloo test_monitored_barrier_gloo_subgroup test_scatter_object_list
+    """),
+}
 
 
 def main(argv):
@@ -132,6 +146,8 @@ def main(argv):
     ap.add_argument("--backend", default=None)
     ap.add_argument("--world-size", default=None)
     ap.add_argument("--full", action="store_true", help="run every test, not the CI subset")
+    ap.add_argument("--subset", choices=sorted(SUBSETS), default=None,
+                    help="a CI subset (sets the world size and --as-gloo itself)")
     ap.add_argument("-k", action="append", default=[], help="unittest -k pattern (repeatable)")
     ap.add_argument("--list", action="store_true", help="print the selected test names and exit")
     ap.add_argument("-v", action="store_true")
@@ -140,6 +156,15 @@ def main(argv):
     ap.add_argument("--as-gloo", action="store_true",
                     help="run the suite as if BACKEND were gloo (gloo-gated tests run) with plait making every group")
     a = ap.parse_args(argv)
+    if a.subset:
+        sub = SUBSETS[a.subset]
+        want_as_gloo = "1" if sub["as_gloo"] else None
+        if os.environ.get("WORLD_SIZE") != sub["world_size"] or os.environ.get("PLAIT_AS_GLOO") != want_as_gloo:
+            env = dict(os.environ, WORLD_SIZE=sub["world_size"], BACKEND="gloo" if sub["as_gloo"] else "plait")
+            env.pop("PLAIT_AS_GLOO", None)
+            if sub["as_gloo"]:
+                env["PLAIT_AS_GLOO"] = "1"
+            os.execve(sys.executable, [sys.executable, os.path.abspath(__file__)] + argv, env)
     if a.as_gloo and os.environ.get("PLAIT_AS_GLOO") != "1":
         env = dict(os.environ, BACKEND="gloo", PLAIT_AS_GLOO="1")
         if a.world_size:
@@ -161,11 +186,12 @@ def main(argv):
         loader.testNamePatterns = [p if "*" in p else f"*{p}*" for p in a.k]
     names = loader.getTestCaseNames(TestConformance)
     if not a.full and not a.k:
+        wanted = SUBSETS[a.subset or "world3"]["tests"].split()
         present = set(names)
-        missing = [n for n in CI_SUBSET if n not in present]
+        missing = [n for n in wanted if n not in present]
         if missing:
             print(f"note: not in this torch's suite: {missing}", file=sys.stderr)
-        names = [n for n in CI_SUBSET if n in present]
+        names = [n for n in wanted if n in present]
     if a.list:
         print("\n".join(names))
         return 0

@@ -371,6 +371,16 @@ def collectives_matrix(group, members, c, label, light=False):
         cm.wait()
         for i in range(2):
             c.close(f"coalescing_manager all_gather {i} {label}", outs[i], torch.cat([make(r, 3, torch.float32, salt=i) for r in range(gs)]))
+        # with a device: c10d brackets the ops with start/endCoalescing and hands back the Work
+        # of endCoalescing only, which must cover every op in between
+        big = [make(gr, 200_000, torch.float32, salt=i) for i in range(3)]
+        with _coalescing_manager(group=group, device=torch.device("cpu"), async_ops=True) as cm:
+            for b in big:
+                dist.all_reduce(b, group=group)
+        cm.wait()
+        for i, b in enumerate(big):
+            c.close(f"coalescing_manager(device) all_reduce {i} {label}", b,
+                    reference([make(r, 200_000, torch.float32, salt=i) for r in range(gs)], R.SUM))
         # a then() callback that issues another collective (runs on the completion thread)
         t = make(gr, 4, torch.float32)
         fut = dist.all_reduce(t, group=group, async_op=True).get_future()
@@ -408,6 +418,25 @@ def collectives_matrix(group, members, c, label, light=False):
         c.close(f"functional all_gather {label}", fc.wait_tensor(z), torch.cat([make(r, 6, torch.float32) for r in range(gs)]))
         c.close(f"functional reduce_scatter {label}", fc.wait_tensor(s),
                 reference([make(r, 2 * gs, torch.float32) for r in range(gs)], R.SUM)[2 * gr:2 * gr + 2])
+        # an async op on a staged (non-contiguous) tensor whose handle is dropped still completes
+        # and copies back; its temporaries stay alive until then
+        nc = noncontig(make(gr, 50_000, torch.float32))
+        dist.all_reduce(nc, group=group, async_op=True)
+        import gc
+
+        gc.collect()
+        dist.barrier(group=group)
+        want_nc = reference([make(r, 50_000, torch.float32) for r in range(gs)], R.SUM).float()
+        deadline = time.monotonic() + 5
+        while not torch.equal(nc, want_nc) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        c.close(f"dropped async handle {label}", nc, want_nc)
+        # sparse COO all_reduce (SUM): what DDP does with sparse gradients
+        idx = torch.tensor([[gr, 0, gr + 1], [1, gr, 2]])
+        sp = torch.sparse_coo_tensor(idx, torch.tensor([1.0, 2.0, 3.0]) * (gr + 1), (gs + 2, 4))
+        dist.all_reduce(sp, group=group)
+        want_sp = sum(torch.sparse_coo_tensor(torch.tensor([[r, 0, r + 1], [1, r, 2]]), torch.tensor([1.0, 2.0, 3.0]) * (r + 1), (gs + 2, 4)).to_dense() for r in range(gs))
+        c.close(f"sparse all_reduce {label}", sp.to_dense(), want_sp)
         # zero-size tensors
         e = torch.zeros(0)
         dist.all_reduce(e, group=group)
@@ -690,6 +719,41 @@ def ddp_run(c, label, *, steps=4, per_rank=4, find_unused=False, no_sync=False, 
     c.true(f"{label}: identical parameters on every rank", all(torch.equal(o, flat) for o in outs))
 
 
+class SparseNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(50, 8, sparse=True)
+        self.out = nn.Linear(8, 5)
+
+    def forward(self, ids):
+        return self.out(self.emb(ids).mean(1))
+
+
+def ddp_sparse(c, steps=3, per_rank=4):
+    """DDP with a sparse gradient (nn.Embedding(sparse=True)): sparse all_reduce."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    model = SparseNet()
+    ref = copy.deepcopy(model)
+    ddp = DDP(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    ropt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for step in range(steps):
+        g = torch.Generator().manual_seed(step)
+        ids = torch.randint(0, 50, (WORLD * per_rank, 6), generator=g)
+        y = torch.randn(WORLD * per_rank, 5, generator=g)
+        sl = slice(RANK * per_rank, (RANK + 1) * per_rank)
+        opt.zero_grad()
+        nn.MSELoss()(ddp(ids[sl]), y[sl]).backward()
+        opt.step()
+        ropt.zero_grad()
+        nn.MSELoss()(ref(ids), y).backward()
+        ropt.step()
+    for (name, p), q in zip(ddp.module.named_parameters(), ref.parameters()):
+        c.close(f"ddp sparse embedding {name}", p.detach(), q.detach())
+
+
 def scenario_ddp(args):
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
@@ -710,6 +774,7 @@ def scenario_ddp(args):
     c.run("ddp allreduce_hook", lambda: ddp_run(c, "ddp default allreduce_hook", hook=(None, default_hooks.allreduce_hook)))
     c.run("ddp bf16_compress_hook", lambda: ddp_run(c, "ddp bf16_compress_hook", hook=(None, default_hooks.bf16_compress_hook), tol=(2e-2, 2e-3)))
     c.run("ddp bf16 model", lambda: ddp_run(c, "ddp bf16 model", dtype=torch.bfloat16))
+    c.run("ddp sparse gradients", lambda: ddp_sparse(c))
     # the same on a group that stages tensors as CUDA ones would be
     g = dist.new_group(list(range(WORLD)), pg_options=PlaitOptions(force_staging=True))
     c.run("ddp staged", lambda: ddp_run(c, "ddp staged group", process_group=g))
@@ -750,11 +815,18 @@ def fsdp_run(c, label, mesh, steps=3, per_rank=4):
 def scenario_fsdp(args):
     from torch.distributed.device_mesh import init_device_mesh
 
-    dist.init_process_group("plait", timeout=datetime.timedelta(seconds=60))
+    t0 = time.monotonic()
+    dist.init_process_group(os.environ.get("SCENARIO_BACKEND", "plait"), timeout=datetime.timedelta(seconds=60))
+    if os.environ.get("SCENARIO_TIMING"):
+        print(f"init {time.monotonic() - t0:.2f}s", flush=True)
     c = Checker()
     if WORLD == 4:
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+        if os.environ.get("SCENARIO_TIMING"):
+            print(f"mesh {time.monotonic() - t0:.2f}s", flush=True)
         c.run("hsdp 2x2", lambda: fsdp_run(c, "HSDP 2x2", mesh))
+        if os.environ.get("SCENARIO_TIMING"):
+            print(f"hsdp {time.monotonic() - t0:.2f}s", flush=True)
         # 2-D mesh groups are plait groups too
         for dim in ("replicate", "shard"):
             pg = mesh.get_group(dim)
@@ -762,6 +834,8 @@ def scenario_fsdp(args):
             t = torch.ones(1)
             dist.all_reduce(t, group=pg)
             c.close(f"mesh dim {dim} all_reduce", t, torch.full((1,), 2.0))
+        if os.environ.get("SCENARIO_TIMING"):
+            print(f"end {time.monotonic() - t0:.2f}s", flush=True)
     else:
         mesh = init_device_mesh("cpu", (WORLD,))
         c.run("fsdp2", lambda: fsdp_run(c, "FSDP2", mesh))
@@ -834,27 +908,35 @@ def scenario_kill_in_backward(args):
 
 
 def scenario_bench_small(args):
-    """p50 of a 4-byte all_reduce, plait and gloo groups over the same ranks, interleaved."""
+    """Latency of a blocking 4-byte all_reduce: gloo, plait, and plait with inline execution off,
+    over the same ranks in one process, in interleaved rounds (the same machine noise for all)."""
     iters = int(args[1]) if len(args) > 1 else 2000
     dist.init_process_group("gloo")
-    groups = {"gloo": dist.group.WORLD, "plait": dist.new_group(list(range(WORLD)), backend="plait")}
-    res = {}
+    world = list(range(WORLD))
+    groups = {
+        "gloo": dist.group.WORLD,
+        "plait": dist.new_group(world, backend="plait"),
+        "plait (no inline)": dist.new_group(world, backend="plait", pg_options={"inline": "never"}),
+    }
     t = torch.ones(1, dtype=torch.float32)
-    for name, g in groups.items():
+    for g in groups.values():
         for _ in range(200):
             dist.all_reduce(t, group=g)
     times = {k: [] for k in groups}
-    for rnd in range(10):  # interleave rounds so both see the same machine noise
+    rounds = 20
+    for _ in range(rounds):
         for name, g in groups.items():
             dist.barrier(group=groups["gloo"])
             ts = times[name]
-            for _ in range(iters // 10):
+            for _ in range(max(1, iters // rounds)):
                 s = time.perf_counter_ns()
                 dist.all_reduce(t, group=g)
                 ts.append(time.perf_counter_ns() - s)
+    res = {}
     for name, ts in times.items():
         ts.sort()
         res[name] = {"p50_us": ts[len(ts) // 2] / 1000, "p90_us": ts[int(len(ts) * 0.9)] / 1000, "n": len(ts)}
+    res["algorithm"] = groups["plait"]._g.comm.algorithm_for("allreduce", 4)
     dist.destroy_process_group()
     return res
 

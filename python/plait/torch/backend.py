@@ -62,6 +62,7 @@ class _Group:
         self.closed = False
         self.store = None
         self.mb_seq = 0
+        self.coalescing = None  # works issued between startCoalescing and endCoalescing
         self.owner = None  # weakref to the torch-facing object (for profiler labels)
         self.wire = stg.WIRE_DTYPE.get(opts.wire_dtype)
         _GROUPS.add(self)
@@ -110,6 +111,8 @@ class _Group:
         w = PlaitWork(self, parts, outputs, fin, what)
         if _profiling():
             _profile(self, w, what, inputs)
+        if self.coalescing is not None:
+            self.coalescing.append(w)
         return w
 
     def shutdown(self, abort_reason=None):
@@ -268,8 +271,45 @@ class _Methods:
 
     def allreduce(self, tensors, opts=None, *rest):
         opts = _opts(opts, dist.AllreduceOptions, rest, "reduceOp")
+        if isinstance(tensors, (list, tuple)) and len(tensors) == 1 and getattr(tensors[0], "layout", None) == torch.sparse_coo:
+            return self._pl_tensor_work(lambda: self._pl_sparse_allreduce(tensors[0], opts))
         t = _one(tensors, "all_reduce")
         return self._pl_tensor_work(lambda: self._pl_allreduce([t], opts, "all_reduce"))
+
+    def _pl_sparse_allreduce(self, t, opts):
+        """SUM of sparse COO tensors (what DDP does with sparse gradients): every rank gathers the
+        others' indices and values and adds them up locally; the result replaces `t`'s contents.
+        Runs to completion before returning."""
+        g = self._g
+        opname, _ = _opname(opts.reduceOp)
+        if opname != "sum":
+            raise invalid(f"all_reduce: sparse tensors support SUM only, got {opname}")
+        timeout = _timeout(opts)
+        x = t.detach().coalesce()
+        idx = x.indices().t().contiguous()  # nnz x sparse_dim
+        val = x.values().contiguous()  # nnz x dense dims
+        n = g.size
+        nnz = torch.tensor([idx.shape[0]], dtype=torch.int64)
+        all_nnz = torch.zeros(n, dtype=torch.int64)
+        _call(lambda: g.coll("allgather", nnz, all_nnz, "i64", timeout=timeout, inline=True)).wait()
+        counts = [int(c) for c in all_nnz]
+        sd = idx.shape[1]
+        all_idx = torch.zeros(sum(counts), sd, dtype=torch.int64)
+        _call(lambda: g.coll("allgather", idx, all_idx, "i64", recv_counts=[c * sd for c in counts], timeout=timeout, inline=True)).wait()
+        v = stg.real_view(val, None, "all_reduce")
+        dt = stg.move_dtype(v.dtype)
+        per = 1  # core elements per row of values
+        for d in v.shape[1:]:
+            per *= d
+        if dt == "u8" and v.dtype != torch.uint8:
+            per *= v.element_size()
+        all_val = torch.zeros((sum(counts),) + tuple(val.shape[1:]), dtype=val.dtype)
+        av = stg.real_view(all_val, None, "all_reduce")
+        _call(lambda: g.coll("allgather", v, av, dt, recv_counts=[c * per for c in counts], timeout=timeout, inline=True)).wait()
+        out = torch.sparse_coo_tensor(all_idx.t(), all_val, t.shape).coalesce()
+        with torch.no_grad():
+            t.copy_(out)
+        return completed_work(g, [t], "all_reduce")
 
     def allreduce_coalesced(self, tensors, opts=None):
         opts = _opts(opts, getattr(dist, "AllreduceCoalescedOptions", dist.AllreduceOptions), (), "reduceOp")
@@ -877,15 +917,27 @@ class _Methods:
         return g.work([done], [t], st, "recv" + (f" from rank {src}" if src >= 0 else " from any rank"), (t,))
 
     # -- coalescing ----------------------------------------------------------------------------
-    # c10d's _coalescing_manager needs start/endCoalescing from the backend. plait issues each
-    # operation at once (the core pipelines them), so coalescing is a no-op that returns a Work
-    # completing when the ops issued in between have.
+    # c10d's _coalescing_manager(device=...) brackets ops with start/endCoalescing. plait issues
+    # each op at once (the core runs them concurrently), and endCoalescing returns a Work that
+    # completes when every op issued in between has (never an empty, already-done Work: c10d
+    # hands it to the caller in place of the ops' own).
 
     def startCoalescing(self, device=None):
-        self._pl_coalesced = []
+        self._g.coalescing = []
 
     def endCoalescing(self, device=None):
-        return completed_work(self._g, [], "coalesced")
+        g = self._g
+        works, g.coalescing = g.coalescing or [], None
+        from .work import Sub
+
+        outputs = [t for w in works for t in w._outputs]
+        return PlaitWork(g, [Sub(w) for w in works], outputs, None, f"{len(works)} coalesced operations")
+
+    def _start_coalescing(self, device=None):
+        self.startCoalescing(device)
+
+    def _end_coalescing(self, device=None):
+        return self.endCoalescing(device)
 
 
 def _abandon(parts, st):

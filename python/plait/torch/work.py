@@ -288,6 +288,78 @@ class PlaitWork(dist.Work):
         state = "failed" if self._error is not None else ("done" if self._settled else "in flight")
         return f"<plait Work {self._what}: {state}>"
 
+    def __del__(self):
+        # Dropped while in flight (an async op nobody waits on): the core is still reading or
+        # writing the buffers this Work keeps alive, and outputs may still need copying back.
+        # Hand both to the completion thread, which finishes the op as wait() would have.
+        try:
+            if not self._settled and (self._parts or self._finish_cb is not None):
+                self._group.completer.submit(_Orphan(self._parts, self._finish_cb))
+        except Exception:
+            pass
+
+
+class Sub:
+    """A PlaitWork as a part of another (the Work c10d's coalescing manager waits on)."""
+
+    __slots__ = ("work",)
+
+    def __init__(self, work):
+        self.work = work
+
+    def wait(self, timeout=None):
+        w = self.work
+        if w._settled:
+            if w._error is not None:
+                raise w._error
+            return True
+        try:
+            ok = w._wait_parts(timeout)
+        except BaseException as e:
+            w._settle(e)
+            raise w._error from None
+        if ok:
+            w._settle(None)
+            if w._error is not None:
+                raise w._error
+        return ok
+
+    def is_completed(self):
+        return self.work.is_completed()
+
+    def source(self):
+        return -1
+
+
+class _Orphan:
+    """The in-flight remainder of a Work that was garbage collected."""
+
+    __slots__ = ("_parts", "_finish")
+
+    def __init__(self, parts, finish):
+        self._parts = parts
+        self._finish = finish
+
+    def _run_to_end(self):
+        ok = True
+        for p in self._parts:
+            try:
+                while not p.wait(_POLL):
+                    pass
+            except BaseException:
+                ok = False
+        if self._finish is not None:
+            try:
+                self._finish(ok)
+            except BaseException:
+                pass
+
+    def _settle(self, error):  # Completer.submit after stop
+        self._run_to_end()
+
+    def _complete_future(self):
+        pass
+
 
 def completed_work(group, outputs, what):
     """A Work that is already done (ops with nothing to send)."""
