@@ -21,6 +21,24 @@ pub struct Fabric {
     p2p_send_next: Mutex<HashMap<(usize, u64), u32>>,
 }
 
+/// The Abort frame's payload: the rank to blame, its address, and what happened, one per line,
+/// so the peers report the culprit itself rather than the rank that relayed the news.
+fn abort_reason(me: usize, err: &PlaitError) -> String {
+    match err {
+        PlaitError::Peer { peer, addr, what, .. } => format!("{peer}\n{addr}\n{what}"),
+        other => format!("{me}\n\n{other}"),
+    }
+}
+
+/// Reads an Abort payload sent by `sender`: (culprit, address, what happened).
+pub fn parse_abort_reason(sender: usize, text: &str) -> (usize, String, String) {
+    let mut lines = text.splitn(3, '\n');
+    match (lines.next().and_then(|l| l.parse().ok()), lines.next(), lines.next()) {
+        (Some(culprit), Some(addr), Some(what)) => (culprit, addr.to_string(), what.to_string()),
+        _ => (sender, String::new(), text.to_string()),
+    }
+}
+
 impl Fabric {
     pub fn new(rank: usize, size: usize, mailbox: Arc<Mailbox>) -> Fabric {
         Fabric {
@@ -77,7 +95,7 @@ impl Fabric {
             link.stop_reading();
         }
         if tell_peers {
-            self.broadcast_control(FrameKind::Abort, format!("rank {}: {err}", self.rank), Duration::from_secs(1));
+            self.broadcast_control(FrameKind::Abort, abort_reason(self.rank, &err), Duration::from_secs(1));
         }
         for link in self.links.iter().flatten() {
             link.shutdown();

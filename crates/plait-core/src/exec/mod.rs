@@ -469,14 +469,16 @@ impl Run<'_> {
         }
         let quiet = (self.spec.timeout / 2).max(Duration::from_millis(500));
         let silent = self.fabric.silent_peers(quiet);
-        let mut on = waiting.join("; ");
-        if !silent.is_empty() {
+        // A peer that sends nothing, not even heartbeats, is the likely culprit: name it first.
+        let on = if silent.is_empty() {
+            waiting.join("; ")
+        } else {
             let names: Vec<String> = silent
                 .iter()
-                .map(|(p, d)| format!("rank {p} ({}) silent for {:.1?}", self.fabric.peer_addr(*p), d))
+                .map(|(p, d)| format!("rank {p} ({}), silent for {:.1?} (stopped, hung or cut off)", self.fabric.peer_addr(*p), d))
                 .collect();
-            on = format!("{on} [silent peers: {}]", names.join(", "));
-        }
+            format!("{}; this rank was waiting for {}", names.join(", "), waiting.join("; "))
+        };
         PlaitError::Timeout { op: self.spec.what.to_string(), waiting_on: on, waited: start.elapsed() }
     }
 

@@ -97,13 +97,14 @@ impl Inbox for CommInbox {
             }
             Some(FrameKind::Data) | Some(FrameKind::P2p) => self.mailbox.deliver(peer, h, payload),
             Some(FrameKind::Abort) => {
-                let reason = read_text(payload, 4096)?;
-                let err = PlaitError::Peer {
-                    op: String::new(),
-                    peer,
-                    addr: self.addr(peer),
-                    what: format!("failed and told this rank why: {reason}"),
-                    waited: Duration::ZERO,
+                let text = read_text(payload, 4096)?;
+                let (culprit, addr, what) = crate::exec::fabric::parse_abort_reason(peer, &text);
+                let err = if culprit == peer {
+                    PlaitError::Peer { op: String::new(), peer, addr: self.addr(peer), what: format!("failed: {what}"), waited: Duration::ZERO }
+                } else {
+                    let addr = if addr.is_empty() { self.addr(culprit) } else { addr };
+                    let what = format!("{what} (reported by rank {peer})");
+                    PlaitError::Peer { op: String::new(), peer: culprit, addr, what, waited: Duration::ZERO }
                 };
                 self.fail(err, false);
                 Ok(())
