@@ -192,3 +192,29 @@ fn async_receives_posted_before_their_sends_do_not_deadlock() {
     });
     assert!(results.iter().all(|ok| *ok));
 }
+
+#[test]
+fn async_messages_with_one_tag_match_in_call_order() {
+    let results = world(2, 0, |comm| {
+        let mut swapped = 0;
+        for _ in 0..300 {
+            let mut a = vec![1.0f32; 4];
+            let mut b = vec![2.0f32; 4];
+            if comm.rank() == 0 {
+                let w1 = comm.send(f32_buf(&mut a), DType::F32, 1, 7, None, false).unwrap();
+                let w2 = comm.send(f32_buf(&mut b), DType::F32, 1, 7, None, false).unwrap();
+                w1.wait(None).unwrap().unwrap();
+                w2.wait(None).unwrap().unwrap();
+            } else {
+                let (mut x, mut y) = (vec![0.0f32; 4], vec![0.0f32; 4]);
+                let r1 = comm.recv(f32_buf(&mut x), DType::F32, Some(0), 7, None, false).unwrap();
+                let r2 = comm.recv(f32_buf(&mut y), DType::F32, None, 7, None, false).unwrap();
+                r1.wait(None).unwrap().unwrap();
+                r2.wait(None).unwrap().unwrap();
+                swapped += (x[0] != 1.0 || y[0] != 2.0) as usize;
+            }
+        }
+        swapped
+    });
+    assert_eq!(results, vec![0, 0]);
+}

@@ -525,8 +525,24 @@ fn with_waited(err: PlaitError, waited: Duration) -> PlaitError {
     }
 }
 
-/// Sends `data` to `peer` with `tag`; returns once it is on the wire.
-pub fn send_p2p(fabric: &Fabric, peer: usize, tag: u64, dtype: DType, data: RawBuf, timeout: Duration, what: Arc<str>) -> Result<()> {
+/// A point-to-point transfer that has been started (its ordinal taken, its frame queued or its
+/// receive posted) and not yet waited for. Starting happens on the caller's thread, in call
+/// order, so transfers with the same peer and tag match in the order they were called.
+pub struct P2pStarted {
+    rx: Receiver<Event>,
+    start: Instant,
+    what: Arc<str>,
+    peer: usize,
+    kind: P2pKind,
+}
+
+enum P2pKind {
+    Send,
+    Recv { dst: RawBuf, snapshot: Vec<u8>, op_id: u64 },
+}
+
+/// Queues `data` for `peer` with `tag`.
+pub fn start_send(fabric: &Fabric, peer: usize, tag: u64, dtype: DType, data: RawBuf, what: Arc<str>) -> Result<P2pStarted> {
     if let Some(err) = fabric.broken() {
         return Err(PlaitError::Broken(err.to_string()));
     }
@@ -551,21 +567,11 @@ pub fn send_p2p(fabric: &Fabric, peer: usize, tag: u64, dtype: DType, data: RawB
             let _ = tx.send(Event { token: 0, result, source: peer });
         })),
     });
-    match wait_one(fabric, &rx, start, timeout, &what, peer, "take this message") {
-        Ok(_) => Ok(()),
-        Err((err, under_way)) => {
-            let first = fabric.fail(err, true);
-            if under_way {
-                // The sender thread reports once the shut socket fails the write.
-                let _ = rx.recv_timeout(Duration::from_secs(10));
-            }
-            Err(with_waited(first.for_op(&what), start.elapsed()))
-        }
-    }
+    Ok(P2pStarted { rx, start, what, peer, kind: P2pKind::Send })
 }
 
-/// Receives into `dst` from `src` (any peer when None) with `tag`; returns the sender.
-pub fn recv_p2p(fabric: &Fabric, src: Option<usize>, tag: u64, dtype: DType, dst: RawBuf, timeout: Duration, what: Arc<str>) -> Result<usize> {
+/// Posts a receive into `dst` from `src` (any peer when None) with `tag`.
+pub fn start_recv(fabric: &Fabric, src: Option<usize>, tag: u64, dtype: DType, dst: RawBuf, what: Arc<str>) -> Result<P2pStarted> {
     if let Some(err) = fabric.broken() {
         return Err(PlaitError::Broken(err.to_string()));
     }
@@ -586,20 +592,51 @@ pub fn recv_p2p(fabric: &Fabric, src: Option<usize>, tag: u64, dtype: DType, dst
         what: what.clone(),
     };
     fabric.mailbox.post_p2p(src, tag, Posted { landing: Landing::Copy { dst: dst.ptr }, len: dst.len, wire: Wire::Native, expect, op_id, token: 0, events: tx });
-    let peer_desc = src.map(|p| p as i64).unwrap_or(-1);
-    let result = match wait_one(fabric, &rx, start, timeout, &what, peer_desc.max(0) as usize, "send") {
+    Ok(P2pStarted { rx, start, what, peer: src.unwrap_or(usize::MAX), kind: P2pKind::Recv { dst, snapshot, op_id } })
+}
+
+/// Waits for a started transfer; returns the peer it was with. On failure a receive's buffer
+/// holds what it held before.
+pub fn finish_p2p(fabric: &Fabric, p: P2pStarted, timeout: Duration) -> Result<usize> {
+    let doing = match p.kind {
+        P2pKind::Send => "take this message",
+        P2pKind::Recv { .. } => "send",
+    };
+    let waited_for = if p.peer == usize::MAX { 0 } else { p.peer };
+    let outcome = wait_one(fabric, &p.rx, p.start, timeout, &p.what, waited_for, doing);
+    let result = match outcome {
         Ok(source) => Ok(source),
         Err((err, under_way)) => {
             let first = fabric.fail(err, true);
-            if under_way && fabric.mailbox.cancel(op_id) == 0 {
-                let _ = rx.recv_timeout(Duration::from_secs(10));
+            let still_posted = match &p.kind {
+                P2pKind::Recv { op_id, .. } => fabric.mailbox.cancel(*op_id) == 0,
+                P2pKind::Send => true,
+            };
+            if under_way && still_posted {
+                // The link thread reports once the shut socket fails it; only then is the
+                // caller's memory free of it.
+                let _ = p.rx.recv_timeout(Duration::from_secs(10));
             }
-            unsafe { bytes_mut(dst.ptr, dst.len) }.copy_from_slice(&snapshot);
-            Err(with_waited(first.for_op(&what), start.elapsed()))
+            if let P2pKind::Recv { dst, snapshot, .. } = &p.kind {
+                unsafe { bytes_mut(dst.ptr, dst.len) }.copy_from_slice(snapshot);
+            }
+            Err(with_waited(first.for_op(&p.what), p.start.elapsed()))
         }
     };
-    fabric.mailbox.pool.give(snapshot);
+    if let P2pKind::Recv { snapshot, .. } = p.kind {
+        fabric.mailbox.pool.give(snapshot);
+    }
     result
+}
+
+/// Sends `data` to `peer` with `tag`; returns once it is on the wire.
+pub fn send_p2p(fabric: &Fabric, peer: usize, tag: u64, dtype: DType, data: RawBuf, timeout: Duration, what: Arc<str>) -> Result<()> {
+    finish_p2p(fabric, start_send(fabric, peer, tag, dtype, data, what)?, timeout).map(|_| ())
+}
+
+/// Receives into `dst` from `src` (any peer when None) with `tag`; returns the sender.
+pub fn recv_p2p(fabric: &Fabric, src: Option<usize>, tag: u64, dtype: DType, dst: RawBuf, timeout: Duration, what: Arc<str>) -> Result<usize> {
+    finish_p2p(fabric, start_recv(fabric, src, tag, dtype, dst, what)?, timeout)
 }
 
 /// Waits for the single event of a point-to-point transfer. On error, says whether the

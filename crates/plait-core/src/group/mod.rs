@@ -483,8 +483,10 @@ impl Communicator {
         }
         let timeout = timeout.unwrap_or(self.cfg.timeout);
         let what: Arc<str> = format!("send to rank {peer} (tag {tag}, {} bytes)", data.len).into();
+        // Queued now, in call order; only the waiting runs later.
+        let started = exec::start_send(&self.fabric, peer, tag, dtype, data, what)?;
         let me = self.clone();
-        self.submit(inline, Box::new(move || exec::send_p2p(&me.fabric, peer, tag, dtype, data, timeout, what).map(|_| peer)))
+        self.submit(inline, Box::new(move || exec::finish_p2p(&me.fabric, started, timeout)))
     }
 
     /// `src = None` receives from any source; the Work's value is the sender's rank.
@@ -502,8 +504,10 @@ impl Communicator {
         let timeout = timeout.unwrap_or(self.cfg.timeout);
         let from = src.map(|s| format!("rank {s}")).unwrap_or_else(|| "any rank".into());
         let what: Arc<str> = format!("recv from {from} (tag {tag}, {} bytes)", data.len).into();
+        // Posted now, in call order; only the waiting runs later.
+        let started = exec::start_recv(&self.fabric, src, tag, dtype, data, what)?;
         let me = self.clone();
-        self.submit(inline, Box::new(move || exec::recv_p2p(&me.fabric, src, tag, dtype, data, timeout, what)))
+        self.submit(inline, Box::new(move || exec::finish_p2p(&me.fabric, started, timeout)))
     }
 
     /// Every rank waits until every rank has entered the barrier.
