@@ -335,8 +335,11 @@ def collectives_matrix(group, members, c, label, light=False):
                         c.close(f"send/recv order {i} {tag}", t, make(0, n, dt, salt=i), dt)
                     h.wait()
                     c.close(f"send/recv tag 6 {tag}", w9, make(0, n, dt, salt=9), dt)
-                # any source
-                if gr == 0:
+                # any source (not through the per-device Backend form: torch's C++ Work wrapper has
+                # no Python override of sourceRank)
+                if os.environ.get("PLAIT_TORCH_CLASS") == "backend":
+                    pass
+                elif gr == 0:
                     seen = set()
                     for _ in range(gs - 1):
                         t = torch.zeros(n, dtype=dt)
@@ -374,7 +377,10 @@ def collectives_matrix(group, members, c, label, light=False):
         # with a device: c10d brackets the ops with start/endCoalescing and hands back the Work
         # of endCoalescing only, which must cover every op in between
         big = [make(gr, 200_000, torch.float32, salt=i) for i in range(3)]
-        with _coalescing_manager(group=group, device=torch.device("cpu"), async_ops=True) as cm:
+        # (not through the per-device Backend form: torch's C++ ProcessGroup does not pass
+        # startCoalescing on to Python backends)
+        per_device = os.environ.get("PLAIT_TORCH_CLASS") == "backend"
+        with _coalescing_manager(group=group, device=None if per_device else torch.device("cpu"), async_ops=True) as cm:
             for b in big:
                 dist.all_reduce(b, group=group)
         cm.wait()
@@ -478,7 +484,8 @@ def scenario_collectives(args):
     t = torch.ones(3)
     w = dist.all_reduce(t, async_op=True)
     c.true("is_completed eventually", w.wait() and w.is_completed() and w.is_success() and w.exception() is None)
-    c.true("result()", torch.equal(w.result()[0], t))
+    if os.environ.get("PLAIT_TORCH_CLASS") != "backend":  # torch's C++ Work wrapper drops result()
+        c.true("result()", torch.equal(w.result()[0], t))
     # names
     pg = dist.group.WORLD
     c.true("backend name", dist.get_backend() == "plait", dist.get_backend())
@@ -504,7 +511,8 @@ def scenario_errors(args):
             (lambda: dist.all_reduce(torch.zeros(2, dtype=torch.uint32)), "cannot be reduced"),
             (lambda: dist.all_reduce(torch.zeros(2, dtype=torch.int32), op=R.AVG), "floating point"),
             (lambda: dist.all_reduce(torch.zeros(2, dtype=torch.float32), op=R.BAND), "bitwise"),
-            (lambda: dist.all_reduce(torch.zeros(2).to_sparse()), "sparse"),
+            (lambda: dist.all_reduce(torch.zeros(2).to_sparse(), op=R.MAX), "SUM only"),
+            (lambda: dist.broadcast(torch.zeros(2).to_sparse(), 0), "sparse"),
             (lambda: dist.all_to_all_single(torch.zeros(4), torch.zeros(4), [1] * WORLD, [4] + [0] * (WORLD - 1)), "split sizes"),
         ]:
             try:

@@ -72,6 +72,13 @@ class _Group:
     def staged(self):
         return Staged(self.pool, self.opts.force_staging)
 
+    def context(self):
+        """Where an error happened, for its message."""
+        ctx = f"process group {self.group_id!r}, rank {self.rank} of {self.size}"
+        if self.global_ranks != list(range(self.size)):
+            ctx += f"; the group's ranks 0..{self.size - 1} are global ranks {self.global_ranks}"
+        return ctx
+
     def idle(self):
         q = self._inflight
         while q and q[0].is_completed():
@@ -208,12 +215,12 @@ def _rank_check(g, r, what):
     return r
 
 
-def _call(fn):
+def _call(fn, g=None):
     """Runs a core call, converting plait errors to their torch-facing form."""
     try:
         return fn()
     except PlaitError as e:
-        raise torch_error(e) from None
+        raise torch_error(e, g.context() if g is not None else None) from None
 
 
 class _Methods:
@@ -291,11 +298,11 @@ class _Methods:
         n = g.size
         nnz = torch.tensor([idx.shape[0]], dtype=torch.int64)
         all_nnz = torch.zeros(n, dtype=torch.int64)
-        _call(lambda: g.coll("allgather", nnz, all_nnz, "i64", timeout=timeout, inline=True)).wait()
+        _call(lambda: g.coll("allgather", nnz, all_nnz, "i64", timeout=timeout, inline=True), g).wait()
         counts = [int(c) for c in all_nnz]
         sd = idx.shape[1]
         all_idx = torch.zeros(sum(counts), sd, dtype=torch.int64)
-        _call(lambda: g.coll("allgather", idx, all_idx, "i64", recv_counts=[c * sd for c in counts], timeout=timeout, inline=True)).wait()
+        _call(lambda: g.coll("allgather", idx, all_idx, "i64", recv_counts=[c * sd for c in counts], timeout=timeout, inline=True), g).wait()
         v = stg.real_view(val, None, "all_reduce")
         dt = stg.move_dtype(v.dtype)
         per = 1  # core elements per row of values
@@ -305,7 +312,7 @@ class _Methods:
             per *= v.element_size()
         all_val = torch.zeros((sum(counts),) + tuple(val.shape[1:]), dtype=val.dtype)
         av = stg.real_view(all_val, None, "all_reduce")
-        _call(lambda: g.coll("allgather", v, av, dt, recv_counts=[c * per for c in counts], timeout=timeout, inline=True)).wait()
+        _call(lambda: g.coll("allgather", v, av, dt, recv_counts=[c * per for c in counts], timeout=timeout, inline=True), g).wait()
         out = torch.sparse_coo_tensor(all_idx.t(), all_val, t.shape).coalesce()
         with torch.no_grad():
             t.copy_(out)
@@ -341,7 +348,7 @@ class _Methods:
                 else:
                     dt = stg.reduce_dtype(vs[0], opname, what)
                     h = st.host(vs[0], read=True, write=True) if len(vs) == 1 else st.flat(vs, read=True, write=True)
-                parts.append(_call(lambda: g.coll("allreduce", h, h, dt, opname, factor=factor, timeout=timeout, inline=inline)))
+                parts.append(_call(lambda: g.coll("allreduce", h, h, dt, opname, factor=factor, timeout=timeout, inline=inline), g))
         except BaseException:
             _abandon(parts, st)
             raise
@@ -364,7 +371,7 @@ class _Methods:
             h = st.host(v, read=g.rank == root, write=g.rank != root)
             inline = g.inline_ok(opts, stg.nbytes(t))
             try:
-                w = _call(lambda: g.coll("broadcast", h if g.rank == root else None, h, dt, root=root, timeout=_timeout(opts), inline=inline))
+                w = _call(lambda: g.coll("broadcast", h if g.rank == root else None, h, dt, root=root, timeout=_timeout(opts), inline=inline), g)
             except BaseException:
                 _abandon([], st)
                 raise
@@ -393,7 +400,7 @@ class _Methods:
                 st._add_back(v, out)
             inline = g.inline_ok(opts, stg.nbytes(t))
             try:
-                w = _call(lambda: g.coll("reduce", h, out, dt, opname, factor=factor, root=root, timeout=_timeout(opts), inline=inline))
+                w = _call(lambda: g.coll("reduce", h, out, dt, opname, factor=factor, root=root, timeout=_timeout(opts), inline=inline), g)
             except BaseException:
                 _abandon([], st)
                 raise
@@ -432,7 +439,7 @@ class _Methods:
         counts = [stg.elems(o, dt) for o in vouts]
         inline = g.inline_ok(opts, stg.nbytes(hout))
         try:
-            w = _call(lambda: g.coll("allgather", hin, hout, dt, recv_counts=counts, timeout=_timeout(opts), inline=inline))
+            w = _call(lambda: g.coll("allgather", hin, hout, dt, recv_counts=counts, timeout=_timeout(opts), inline=inline), g)
         except BaseException:
             _abandon([], st)
             raise
@@ -484,7 +491,7 @@ class _Methods:
             counts = [sum(stg.elems(stg.real_view(t, None, what), dt) for t in lst) for lst in outs]
             inline = g.inline_ok(opts, stg.nbytes(hout))
             try:
-                w = _call(lambda: g.coll("allgather", hin, hout, dt, recv_counts=counts, timeout=_timeout(opts), inline=inline))
+                w = _call(lambda: g.coll("allgather", hin, hout, dt, recv_counts=counts, timeout=_timeout(opts), inline=inline), g)
             except BaseException:
                 _abandon([], st)
                 raise
@@ -511,7 +518,7 @@ class _Methods:
                 dt = stg.move_dtype(vi.dtype)
                 ho = st.host(vo, read=False, write=True)
                 hi = _in_place_or(st, vi, ho, g.rank)
-                parts.append(_call(lambda: g.coll("allgather", hi, ho, dt, timeout=_timeout(opts), inline=inline)))
+                parts.append(_call(lambda: g.coll("allgather", hi, ho, dt, timeout=_timeout(opts), inline=inline), g))
         except BaseException:
             _abandon(parts, st)
             raise
@@ -565,7 +572,7 @@ class _Methods:
                 counts = [stg.elems(o, dt) for o in vouts]
         inline = g.inline_ok(opts, stg.nbytes(hout) if hout is not None else stg.nbytes(hin))
         try:
-            w = _call(lambda: g.coll("gather", hin, hout, dt, root=root, recv_counts=counts, timeout=_timeout(opts), inline=inline))
+            w = _call(lambda: g.coll("gather", hin, hout, dt, root=root, recv_counts=counts, timeout=_timeout(opts), inline=inline), g)
         except BaseException:
             _abandon([], st)
             raise
@@ -622,7 +629,7 @@ class _Methods:
             hout = st.host(vout, read=False, write=True)
             inline = g.inline_ok(opts, stg.nbytes(hin) if hin is not None else stg.nbytes(hout))
             try:
-                w = _call(lambda: g.coll("scatter", hin, hout, dt, root=root, send_counts=counts, timeout=_timeout(opts), inline=inline))
+                w = _call(lambda: g.coll("scatter", hin, hout, dt, root=root, send_counts=counts, timeout=_timeout(opts), inline=inline), g)
             except BaseException:
                 _abandon([], st)
                 raise
@@ -665,7 +672,7 @@ class _Methods:
             counts = [i.numel() for i in vins]
             inline = g.inline_ok(opts, stg.nbytes(hin))
             try:
-                w = _call(lambda: g.coll("reduce_scatter", hin, hout, dt, opname, factor=factor, recv_counts=counts, timeout=_timeout(opts), inline=inline))
+                w = _call(lambda: g.coll("reduce_scatter", hin, hout, dt, opname, factor=factor, recv_counts=counts, timeout=_timeout(opts), inline=inline), g)
             except BaseException:
                 _abandon([], st)
                 raise
@@ -713,7 +720,7 @@ class _Methods:
                     dt = stg.reduce_dtype(vo, opname, what)
                     hi = st.host(vi, read=True, write=False)
                     ho = st.host(vo, read=False, write=True)
-                parts.append(_call(lambda: g.coll("reduce_scatter", hi, ho, dt, opname, factor=factor, timeout=_timeout(opts), inline=inline)))
+                parts.append(_call(lambda: g.coll("reduce_scatter", hi, ho, dt, opname, factor=factor, timeout=_timeout(opts), inline=inline), g))
         except BaseException:
             _abandon(parts, st)
             raise
@@ -741,7 +748,7 @@ class _Methods:
                 st.keep.append(hi)
             inline = g.inline_ok(opts, stg.nbytes(hi))
             try:
-                w = _call(lambda: g.coll("alltoall", hi, ho, dt, send_counts=send_counts, recv_counts=recv_counts, timeout=_timeout(opts), inline=inline))
+                w = _call(lambda: g.coll("alltoall", hi, ho, dt, send_counts=send_counts, recv_counts=recv_counts, timeout=_timeout(opts), inline=inline), g)
             except BaseException:
                 _abandon([], st)
                 raise
@@ -774,7 +781,7 @@ class _Methods:
             rc = [stg.elems(t, dt) for t in vouts]
             inline = g.inline_ok(opts, stg.nbytes(hi))
             try:
-                w = _call(lambda: g.coll("alltoall", hi, ho, dt, send_counts=sc, recv_counts=rc, timeout=_timeout(opts), inline=inline))
+                w = _call(lambda: g.coll("alltoall", hi, ho, dt, send_counts=sc, recv_counts=rc, timeout=_timeout(opts), inline=inline), g)
             except BaseException:
                 _abandon([], st)
                 raise
@@ -790,7 +797,7 @@ class _Methods:
 
         def go():
             inline = g.inline_ok(opts, 0)
-            w = _call(lambda: g.comm.barrier(timeout=_timeout(opts), inline=inline))
+            w = _call(lambda: g.comm.barrier(timeout=_timeout(opts), inline=inline), g)
             if not inline:
                 g._inflight.append(w)
             return g.work([w], [], None, "barrier")

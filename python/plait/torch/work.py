@@ -20,6 +20,7 @@ from .._core import BrokenError, PlaitError, PlaitTimeoutError
 
 _POLL = 1.0  # seconds: the longest a Python-side wait blocks before it looks around again
 
+_LEAKED = []  # buffers of ops the core never released (see PlaitWork._settle)
 _MIRRORS = {}
 _MIRRORS_LOCK = threading.Lock()
 
@@ -34,13 +35,17 @@ def _mirror_class(cls):
         return m
 
 
-def torch_error(exc):
+def torch_error(exc, context=None):
     """`exc` (a plait error) as an instance of a class that is both its plait class and torch's
     DistBackendError (a RuntimeError), so `except RuntimeError`, `except dist.DistBackendError`
-    and `except plait.PeerError` all catch it."""
+    and `except plait.PeerError` all catch it. `context` (e.g. which group and rank) is appended
+    to the message."""
     if not isinstance(exc, PlaitError) or isinstance(exc, getattr(dist, "DistBackendError", RuntimeError)):
         return exc
-    e = _mirror_class(type(exc))(*exc.args)
+    args = exc.args
+    if context and args and isinstance(args[0], str):
+        args = (f"{args[0]} [{context}]",) + tuple(args[1:])
+    e = _mirror_class(type(exc))(*args)
     e.__cause__ = exc.__cause__
     return e
 
@@ -116,6 +121,7 @@ class PlaitWork(dist.Work):
         self._base = None
         self._source = -1
         self._extra = []
+        self._extra_threads = []
 
     # -- internals ---------------------------------------------------------------------------
 
@@ -136,23 +142,15 @@ class PlaitWork(dist.Work):
         return True
 
     def _settle(self, error):
-        """Runs once: records the outcome and runs the finish callback (copy-back)."""
+        """Runs once: records the outcome and runs the finish callback (copy-back, release of the
+        staging memory)."""
         with self._lock:
             if self._settled:
                 return
-            if error is None:
-                # Some parts may still be running when another failed; only settle when all are
-                # done or the group is broken (then they fail promptly).
-                pass
-            try:
-                if self._finish_cb is not None:
-                    self._finish_cb(error is None)
-            except BaseException as e:  # a copy-back failed: that is the op's error
-                if error is None:
-                    error = e
-            if error is not None and self._parts:
-                # Other parts may still be running on the core: they fail promptly on the broken
-                # communicator; wait for them (bounded) so no buffer is freed under them.
+            running = False
+            if error is not None:
+                # Other parts may still be running in the core: they fail promptly on the broken
+                # communicator. Wait for them (bounded) before any buffer is released.
                 for p in self._parts:
                     for _ in range(30):
                         try:
@@ -160,22 +158,31 @@ class PlaitWork(dist.Work):
                                 break
                         except BaseException:
                             break
-            if error is not None and not isinstance(error, BaseException):  # pragma: no cover
-                error = RuntimeError(str(error))
-            self._error = torch_error(error) if error is not None else None
+                    running = running or not p.is_completed()
+            if running:
+                # Still touching our buffers after 30 s: keep them alive for good rather than
+                # free memory the core may write to.
+                _LEAKED.append((self._parts, self._finish_cb))
+            else:
+                try:
+                    if self._finish_cb is not None:
+                        self._finish_cb(error is None)
+                except BaseException as e:  # a copy-back failed: that is the op's error
+                    if error is None:
+                        error = e
+            self._error = torch_error(error, self._group.context()) if error is not None else None
             for p in self._parts:
-                if isinstance(p, Done):
-                    self._source = p.source()
-                else:
-                    try:
-                        s = p.source()
-                        if s >= 0:
-                            self._source = s
-                    except Exception:
-                        pass
+                try:
+                    s = p.source()
+                    if s >= 0:
+                        self._source = s
+                except Exception:
+                    pass
             self._parts = []
             self._finish_cb = None
             self._settled = True
+        if self._extra:
+            self._flush_extra()
 
     def _settle_if_complete(self):
         if self._settled:
@@ -203,11 +210,6 @@ class PlaitWork(dist.Work):
         self._complete_future()
 
     def _complete_future(self):
-        with self._lock:
-            extra, self._extra = self._extra, []
-        for f in extra:  # profiler events: plain futures, ended on this (completion) thread
-            if not f.done():
-                f.set_result(None)
         base = self._base
         if base is None or base.done():
             return
@@ -217,10 +219,36 @@ class PlaitWork(dist.Work):
             base.set_result(self._outputs)
 
     def _end_on_thread(self, fut):
-        """Completes `fut` from the completion thread once the op has ended."""
+        """Completes `fut` (a profiler event's end) from another thread once the op has ended,
+        before wait() returns: an event must end on another thread to count as async, and must
+        not end after the caller has left the profiler."""
         with self._lock:
             self._extra.append(fut)
-        self._group.completer.submit(self)
+            settled = self._settled
+        if settled:
+            self._flush_extra()
+        else:
+            self._group.completer.submit(self)  # settles it even if nobody waits
+
+    def _flush_extra(self):
+        with self._lock:
+            extra, self._extra = self._extra, []
+        if not extra:
+            return
+
+        def end():
+            for f in extra:
+                if not f.done():
+                    f.set_result(None)
+
+        t = threading.Thread(target=end, name="plait-profiler-end", daemon=True)
+        t.start()
+        self._extra_threads.append(t)
+
+    def _join_extra(self):
+        for t in self._extra_threads:
+            t.join(10.0)
+        self._extra_threads = []
 
     # -- torch API -----------------------------------------------------------------------------
 
@@ -231,12 +259,15 @@ class PlaitWork(dist.Work):
                 ok = self._wait_parts(t)
             except BaseException as e:
                 self._settle(e)
+                self._join_extra()
                 raise self._error from None
             if not ok:
                 raise torch_error(
                     PlaitTimeoutError(f"plait: {self._what} did not complete within the {t:g} s wait() timeout (it is still in flight)")
                 )
             self._settle(None)
+        if self._extra_threads:
+            self._join_extra()
         if self._error is not None:
             raise self._error
         return True
