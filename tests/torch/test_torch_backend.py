@@ -5,7 +5,6 @@ torch_scenarios.py; the scenario checks every result on every rank and reports f
 """
 
 import datetime
-import os
 import sys
 from pathlib import Path
 

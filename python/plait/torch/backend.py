@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _core
-from .._core import InvalidArgumentError, PlaitError
+from .._core import PlaitError
 from . import staging as stg
 from .lanes import Lanes
 from .options import from_pg_options

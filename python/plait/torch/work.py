@@ -15,7 +15,6 @@ import threading
 import torch
 import torch.distributed as dist
 
-from .. import _core
 from .._core import BrokenError, PlaitError, PlaitTimeoutError
 
 _POLL = 1.0  # seconds: the longest a Python-side wait blocks before it looks around again
@@ -454,4 +453,4 @@ def _now():
     return time.monotonic()
 
 
-__all__ = ["PlaitWork", "Completer", "Done", "torch_error", "seconds", "completed_work", "_core"]
+__all__ = ["PlaitWork", "Completer", "Done", "Sub", "torch_error", "seconds", "completed_work"]
