@@ -48,3 +48,7 @@ __all__ = [
     "init_from_env",
     "supported_dtypes",
 ]
+
+from . import _torch_hook
+
+_torch_hook.install()

@@ -1,6 +1,6 @@
 """plait as a torch.distributed backend.
 
-    import plait.torch            # (or just `import plait` once it registers the backend)
+    import plait                  # registers the backend (so does `import plait.torch`)
     dist.init_process_group("plait")               # torchrun / env://, tcp://, file://
     dist.init_process_group("cpu:plait,cuda:nccl")  # plait for CPU tensors only
 
