@@ -21,6 +21,7 @@ few seconds in all (`--budget` seconds per bandwidth measurement).
 import argparse
 import datetime
 import ipaddress
+import importlib.util
 import json
 import os
 import socket
@@ -323,12 +324,25 @@ def _status(rank, msg, quiet):
         print(msg, file=sys.stderr, flush=True)
 
 
+def _open_store(rank, n, master_addr, master_port, timeout):
+    """torch's TCPStore wherever torch is installed (under torchrun: the agent's own store on
+    MASTER_PORT); the built-in one only for `--local` runs, which pick their own port, and where
+    torch is absent."""
+    if os.environ.get("PLAIT_DOCTOR_STORE") != "builtin" and importlib.util.find_spec("torch") is not None:
+        from torch.distributed import TCPStore
+
+        agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+        return TCPStore(master_addr, master_port, n, is_master=(rank == 0 and not agent_store),
+                        timeout=datetime.timedelta(seconds=timeout), wait_for_workers=False)
+    return DoctorStore(master_addr, master_port, rank == 0, timeout)
+
+
 def run_rank(rank, n, master_addr, master_port, *, timeout=30.0, budget=0.25, bandwidth=True, as_json=False,
              console=None):
     """One rank of the doctor. Rank 0 prints the report. Returns the exit status."""
     t_start = time.monotonic()
     try:
-        raw = DoctorStore(master_addr, master_port, rank == 0, timeout)
+        raw = _open_store(rank, n, master_addr, master_port, timeout)
     except Exception as e:
         what = "serve" if rank == 0 else "reach"
         print(f"plait doctor: rank {rank} cannot {what} the store at {master_addr}:{master_port}: {e}\n"
@@ -713,7 +727,8 @@ def run_local(n, args_list, timeout):
 
     try:
         for r in range(n):
-            env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(n), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+            env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(n), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                       PLAIT_DOCTOR_STORE="builtin")
             log = tempfile.TemporaryFile()
             logs.append(log)
             procs.append(subprocess.Popen([sys.executable, "-m", "plait.cli", "doctor"] + args_list, env=env,

@@ -341,14 +341,15 @@ fn check(peer: usize, h: &FrameHeader, p: &Posted) -> Result<(), PlaitError> {
     let e = &p.expect;
     let theirs = describe_header(h);
     let mismatch = |detail: String| PlaitError::Mismatch { op: e.what.to_string(), peer, detail };
-    if h.layout_id != 0 && e.layout_id != 0 && h.layout_id != e.layout_id {
-        return Err(mismatch(format!("rank {peer} sent {theirs} with different counts than this rank passed to {}", e.what)));
-    }
     if h.coll != e.coll || h.root != e.root || h.op != e.op || h.sched_id != e.sched_id {
         return Err(mismatch(format!("rank {peer} sent {theirs}; this rank runs {}", e.what)));
     }
     if h.dtype != e.dtype {
         return Err(mismatch(format!("rank {peer} sent {theirs}; dtypes differ")));
+    }
+    // Same call, different counts (checked after the call itself, so the message says what differs).
+    if h.layout_id != 0 && e.layout_id != 0 && h.layout_id != e.layout_id {
+        return Err(mismatch(format!("rank {peer} sent {theirs} with different counts than this rank passed to {}", e.what)));
     }
     if h.count != e.count || h.nbytes != e.nbytes {
         return Err(mismatch(format!(
