@@ -64,6 +64,9 @@ class _Group:
         self.mb_seq = 0
         self.coalescing = None  # works issued between startCoalescing and endCoalescing
         self.owner = None  # weakref to the torch-facing object (for profiler labels)
+        # float32 allreduce goes through the core's codec (each contribution encoded once, results
+        # bit-identical on every rank); other float reductions are cast to `wire` here (no int8).
+        self.wire_name = opts.wire_dtype
         self.wire = stg.WIRE_DTYPE.get(opts.wire_dtype)
         _GROUPS.add(self)
 
@@ -97,7 +100,8 @@ class _Group:
             return False
         return self.idle()
 
-    def coll(self, coll, send, recv, dtype, op="sum", *, factor=None, root=0, send_counts=None, recv_counts=None, timeout=None, inline=False):
+    def coll(self, coll, send, recv, dtype, op="sum", *, factor=None, root=0, send_counts=None, recv_counts=None, timeout=None, inline=False,
+             wire=None):
         """Starts one core collective on host tensors `send`/`recv` (None: nothing)."""
         sp, sn = (send.data_ptr(), stg.nbytes(send)) if send is not None else (0, 0)
         rp, rn = (recv.data_ptr(), stg.nbytes(recv)) if recv is not None else (0, 0)
@@ -107,7 +111,7 @@ class _Group:
             rp = 0
         w = self.comm.collective(
             coll, sp, sn, rp, rn, dtype, op, factor=factor, root=root, send_counts=send_counts,
-            recv_counts=recv_counts, timeout=timeout, inline=inline,
+            recv_counts=recv_counts, timeout=timeout, inline=inline, wire=wire,
         )
         if not inline:
             self._inflight.append(w)
@@ -341,14 +345,20 @@ class _Methods:
         timeout = _timeout(opts)
         try:
             for (dtype, _dev), vs in groups.items():
-                wire = g.wire if dtype in (torch.float32, torch.float64) and opname in ("sum", "avg", "premul_sum", "min", "max") else None
+                core_wire = None
+                if dtype == torch.float32:
+                    # The group's choice is explicit, so the core's PLAIT_WIRE_DTYPE default never applies.
+                    compress = g.wire_name is not None and opname in ("sum", "avg", "premul_sum")
+                    core_wire = g.wire_name if compress else "native"
+                wire = g.wire if dtype == torch.float64 and opname in ("sum", "avg", "premul_sum", "min", "max") else None
                 if wire is not None:
                     h = _wire_buffer(st, vs, wire)
                     dt = stg.CORE_DTYPE[wire]
                 else:
                     dt = stg.reduce_dtype(vs[0], opname, what)
                     h = st.host(vs[0], read=True, write=True) if len(vs) == 1 else st.flat(vs, read=True, write=True)
-                parts.append(_call(lambda: g.coll("allreduce", h, h, dt, opname, factor=factor, timeout=timeout, inline=inline), g))
+                parts.append(_call(lambda: g.coll("allreduce", h, h, dt, opname, factor=factor, timeout=timeout, inline=inline,
+                                                  wire=core_wire), g))
         except BaseException:
             _abandon(parts, st)
             raise

@@ -10,7 +10,8 @@ import os
 
 from .._core import ConfigError
 
-_WIRE = {None: None, "": None, "none": None, "bf16": "bf16", "bfloat16": "bf16", "f16": "f16", "fp16": "f16", "float16": "f16"}
+_WIRE = {None: None, "": None, "none": None, "native": None, "bf16": "bf16", "bfloat16": "bf16", "f16": "f16",
+         "fp16": "f16", "float16": "f16", "int8": "int8", "i8": "int8"}
 _INLINE = ("auto", "always", "never")
 
 
@@ -68,7 +69,7 @@ class PlaitOptions:
             o.wire_dtype = env.get("PLAIT_WIRE_DTYPE") or None
         key = o.wire_dtype.lower() if isinstance(o.wire_dtype, str) else o.wire_dtype
         if key not in _WIRE:
-            raise ConfigError(f"plait: wire_dtype must be 'bf16', 'f16' or None, got {o.wire_dtype!r}")
+            raise ConfigError(f"plait: wire_dtype must be 'bf16', 'f16', 'int8', 'native' or None, got {o.wire_dtype!r}")
         o.wire_dtype = _WIRE[key]
         if o.inline is None:
             o.inline = env.get("PLAIT_TORCH_INLINE") or "auto"
