@@ -31,3 +31,22 @@ def global_batch(step, batch, d_in=32, d_out=8, seed=1234):
 def local_slice(t, rank, world):
     n = t.shape[0] // world
     return t[rank * n:(rank + 1) * n]
+
+
+def report_step(step, loss, dt, rank, world):
+    """Rank 0 prints the loss averaged over the ranks (an all_reduce: every rank must call it)."""
+    import torch.distributed as dist
+
+    avg = loss.detach().float().clone()
+    dist.all_reduce(avg)
+    if rank == 0:
+        print(f"step {step:3d}  loss {avg.item() / world:.6f}  {dt * 1000:7.2f} ms", flush=True)
+
+
+def reference_step(ref, ropt, loss_fn, x, y):
+    """One step of the single-process reference on the whole batch (for --check)."""
+    if ref is None:
+        return
+    ropt.zero_grad()
+    loss_fn(ref(x), y).backward()
+    ropt.step()

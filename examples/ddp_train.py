@@ -21,7 +21,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import TinyNet, global_batch, local_slice  # noqa: E402
+from _common import TinyNet, global_batch, local_slice, reference_step, report_step  # noqa: E402
 
 
 def main():
@@ -63,14 +63,8 @@ def main():
         loss.backward()
         opt.step()
         dt = time.perf_counter() - t0
-        avg = loss.detach().float().clone()
-        dist.all_reduce(avg)
-        if rank == 0:
-            print(f"step {step:3d}  loss {avg.item() / world:.6f}  {dt * 1000:7.2f} ms", flush=True)
-        if ref is not None:
-            ropt.zero_grad()
-            loss_fn(ref(x), y).backward()
-            ropt.step()
+        report_step(step, loss, dt, rank, world)
+        reference_step(ref, ropt, loss_fn, x, y)
     if ref is not None:
         tol = (2e-2, 2e-2) if dtype == torch.bfloat16 else (1e-5, 1e-6)
         worst = max((p.detach().float() - q.detach().float()).abs().max().item()

@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import TinyNet, global_batch, local_slice  # noqa: E402
+from _common import TinyNet, global_batch, local_slice, reference_step, report_step  # noqa: E402
 
 
 def main():
@@ -65,14 +65,8 @@ def main():
         loss.backward()
         opt.step()
         dt = time.perf_counter() - t0
-        avg = loss.detach().clone()
-        dist.all_reduce(avg)
-        if rank == 0:
-            print(f"step {step:3d}  loss {avg.item() / world:.6f}  {dt * 1000:7.2f} ms", flush=True)
-        if ref is not None:
-            ropt.zero_grad()
-            loss_fn(ref(x), y).backward()
-            ropt.step()
+        report_step(step, loss, dt, rank, world)
+        reference_step(ref, ropt, loss_fn, x, y)
     if ref is not None:
         worst = 0.0
         for p, q in zip(model.parameters(), ref.parameters()):

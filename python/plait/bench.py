@@ -14,11 +14,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 import time
+from ._local import free_port as _free_port
 
 OPS = ("allreduce", "allgather", "reduce_scatter", "broadcast", "alltoall", "sendrecv")
 DTYPES = ("f32", "f64", "f16", "bf16", "i32", "i64", "u8")
@@ -144,11 +144,9 @@ def _count_wrong(torch, op, x, y, n, rank, dt):
         return int((y.double() != want).sum())
     if op == "sendrecv":
         return 0 if want is None else int((y.double() != want).sum())
+    # allgather and alltoall: block i came from rank i
     blocks = y.double().reshape(n, -1)
-    if op == "allgather":
-        ref = torch.tensor([float(r % 4 + 1) for r in range(n)], dtype=torch.float64)[:, None]
-    else:  # alltoall: block i came from rank i
-        ref = torch.tensor([float(r % 4 + 1) for r in range(n)], dtype=torch.float64)[:, None]
+    ref = torch.tensor([float(r % 4 + 1) for r in range(n)], dtype=torch.float64)[:, None]
     return int((blocks != ref).sum())
 
 
@@ -158,10 +156,7 @@ def _algorithm(dist, backend, op, S, n):
     try:
         pg = dist.distributed_c10d._get_default_group()
         comm = pg.plait_comm
-        coll = {"allreduce": "allreduce", "allgather": "allgather", "reduce_scatter": "reduce_scatter",
-                "broadcast": "broadcast", "alltoall": "alltoall"}[op]
-        per_rank = S if op in ("allreduce", "broadcast", "alltoall", "reduce_scatter") else S
-        return comm.algorithm_for(coll, per_rank)
+        return comm.algorithm_for(op, S)
     except Exception:  # the algorithm column is informative only
         return "?"
 
@@ -234,12 +229,6 @@ def worker(args) -> int:
 
 
 # ---------------------------------------------------------------- launcher and report
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _human(b: int) -> str:
     for unit, m in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):

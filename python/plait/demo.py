@@ -16,6 +16,7 @@ from statistics import median
 from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from ._local import read_json_lines as _read
 
 LIMIT = 150.0  # seconds before the demo gives up on its ranks
 
@@ -132,15 +133,6 @@ def mesh_act(console, nbytes=64 * 2**20, nodes=3):
     elif not have_torch:
         console.print("[dim]gloo comparison skipped: torch is not installed", highlight=False)
     return out
-
-
-def _read(rank, stream, events):
-    for line in stream:
-        try:
-            events.put((rank, json.loads(line)))
-        except ValueError:
-            pass
-    events.put((rank, None))  # end of stream
 
 
 def _follow(console, nproc, readers, events):

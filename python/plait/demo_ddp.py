@@ -13,13 +13,13 @@ import json
 import os
 import queue
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 from statistics import median
+from ._local import free_port as _free_port, read_json_lines as _read
 
 LIMIT = 180.0  # seconds before a run's ranks are given up on
 
@@ -80,21 +80,6 @@ def _worker(a):
 
 # ----------------------------------------------------------------------------------------------
 # parent side
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _read(rank, stream, events):
-    for line in stream:
-        try:
-            events.put((rank, json.loads(line)))
-        except ValueError:
-            pass
-    events.put((rank, None))
 
 
 def _run_backend(backend, nproc, steps, batch, on_step):

@@ -31,6 +31,7 @@ import sys
 import threading
 import time
 import traceback
+from ._local import free_port as _free_port
 
 import numpy as np
 
@@ -712,12 +713,6 @@ def print_report(rep, console=None):
 
 
 # -- entry points ----------------------------------------------------------------------------------------
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_local(n, args_list, timeout):
     """`--local n`: n ranks on this machine over loopback; rank 0's output is ours."""
     port = _free_port()
