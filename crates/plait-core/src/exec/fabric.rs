@@ -21,21 +21,43 @@ pub struct Fabric {
     p2p_send_next: Mutex<HashMap<(usize, u64), u32>>,
 }
 
-/// The Abort frame's payload: the rank to blame, its address, and what happened, one per line,
-/// so the peers report the culprit itself rather than the rank that relayed the news.
-fn abort_reason(me: usize, err: &PlaitError) -> String {
-    match err {
-        PlaitError::Peer { peer, addr, what, .. } => format!("{peer}\n{addr}\n{what}"),
-        other => format!("{me}\n\n{other}"),
-    }
+/// Why a communicator failed, as carried by an Abort frame: the rank to blame, its address, the
+/// rank that saw it happen first, and what happened. Receivers relay it once, so a rank whose
+/// link to the reporter is down still learns the culprit instead of blaming the relaying rank.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AbortReason {
+    pub culprit: usize,
+    pub addr: String,
+    pub reporter: usize,
+    pub what: String,
 }
 
-/// Reads an Abort payload sent by `sender`: (culprit, address, what happened).
-pub fn parse_abort_reason(sender: usize, text: &str) -> (usize, String, String) {
-    let mut lines = text.splitn(3, '\n');
-    match (lines.next().and_then(|l| l.parse().ok()), lines.next(), lines.next()) {
-        (Some(culprit), Some(addr), Some(what)) => (culprit, addr.to_string(), what.to_string()),
-        _ => (sender, String::new(), text.to_string()),
+impl AbortReason {
+    fn of(reporter: usize, err: &PlaitError) -> AbortReason {
+        match err {
+            PlaitError::Peer { peer, addr, what, .. } => {
+                AbortReason { culprit: *peer, addr: addr.clone(), reporter, what: what.clone() }
+            }
+            other => AbortReason { culprit: reporter, addr: String::new(), reporter, what: other.to_string() },
+        }
+    }
+
+    fn encode(&self) -> String {
+        format!("{}\n{}\n{}\n{}", self.culprit, self.addr, self.reporter, self.what)
+    }
+
+    /// Reads an Abort payload that arrived from `sender`; unreadable text blames the sender.
+    pub fn parse(sender: usize, text: &str) -> AbortReason {
+        let mut lines = text.splitn(4, '\n');
+        let culprit = lines.next().and_then(|l| l.parse().ok());
+        let addr = lines.next();
+        let reporter = lines.next().and_then(|l| l.parse().ok());
+        match (culprit, addr, reporter, lines.next()) {
+            (Some(culprit), Some(addr), Some(reporter), Some(what)) => {
+                AbortReason { culprit, addr: addr.to_string(), reporter, what: what.to_string() }
+            }
+            _ => AbortReason { culprit: sender, addr: String::new(), reporter: sender, what: text.to_string() },
+        }
     }
 }
 
@@ -80,6 +102,12 @@ impl Fabric {
     /// and shuts every link so that every blocked read and write returns. Returns the error the
     /// communicator failed with.
     pub fn fail(&self, err: PlaitError, tell_peers: bool) -> PlaitError {
+        let reason = tell_peers.then(|| AbortReason::of(self.rank, &err));
+        self.fail_with(err, reason)
+    }
+
+    /// Like `fail`, telling the peers `reason` (which may name another rank as the reporter).
+    pub fn fail_with(&self, err: PlaitError, reason: Option<AbortReason>) -> PlaitError {
         {
             let mut b = self.broken.lock();
             if let Some(first) = b.as_ref() {
@@ -94,8 +122,8 @@ impl Fabric {
         for link in self.links.iter().flatten() {
             link.stop_reading();
         }
-        if tell_peers {
-            self.broadcast_control(FrameKind::Abort, abort_reason(self.rank, &err), Duration::from_secs(1));
+        if let Some(reason) = reason {
+            self.broadcast_control(FrameKind::Abort, reason.encode(), Duration::from_secs(1));
         }
         for link in self.links.iter().flatten() {
             link.shutdown();
@@ -137,5 +165,29 @@ impl Fabric {
         for link in self.links.iter().flatten() {
             link.join();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn abort_reason_survives_the_wire_and_keeps_the_reporter() {
+        let err = PlaitError::Peer {
+            op: "allreduce #5".into(),
+            peer: 1,
+            addr: "10.1.2.2:4000".into(),
+            what: "silent for 4.0s\nsecond line".into(),
+            waited: Duration::from_secs(4),
+        };
+        let reason = AbortReason::of(0, &err);
+        assert_eq!(AbortReason::parse(2, &reason.encode()), reason);
+        assert_eq!(reason.culprit, 1);
+        assert_eq!(reason.reporter, 0);
+        let own = AbortReason::of(3, &PlaitError::Aborted { op: String::new(), reason: "by the user".into() });
+        assert_eq!((own.culprit, own.reporter), (3, 3));
+        let junk = AbortReason::parse(4, "not a reason");
+        assert_eq!((junk.culprit, junk.reporter, junk.what.as_str()), (4, 4, "not a reason"));
     }
 }

@@ -1,7 +1,7 @@
 //! Turns what the links report into mailbox deliveries and communicator failures.
 
 use crate::error::PlaitError;
-use crate::exec::fabric::Fabric;
+use crate::exec::fabric::{AbortReason, Fabric};
 use crate::exec::mailbox::Mailbox;
 use crate::net::frame::{FrameHeader, FrameKind};
 use crate::net::peer::Inbox;
@@ -24,11 +24,20 @@ pub(super) struct CommInbox {
     downs: Mutex<Vec<(usize, Instant, String)>>,
     /// Pings that arrived before the fabric existed, answered on attach.
     early_pings: Mutex<Vec<(usize, FrameHeader, Vec<u8>)>>,
+    /// A link silent for longer than this (several missed heartbeats) is cut off or hung.
+    quiet: Duration,
 }
 
 impl CommInbox {
-    pub(super) fn new(mailbox: Arc<Mailbox>) -> Self {
-        CommInbox { mailbox, fabric: Mutex::new(Weak::new()), early: Mutex::new(None), downs: Mutex::new(Vec::new()), early_pings: Mutex::new(Vec::new()) }
+    pub(super) fn new(mailbox: Arc<Mailbox>, heartbeat: Duration) -> Self {
+        CommInbox {
+            mailbox,
+            fabric: Mutex::new(Weak::new()),
+            early: Mutex::new(None),
+            downs: Mutex::new(Vec::new()),
+            early_pings: Mutex::new(Vec::new()),
+            quiet: heartbeat * 3,
+        }
     }
 
     pub(super) fn attach(&self, fabric: &Arc<Fabric>) {
@@ -55,6 +64,16 @@ impl CommInbox {
                 self.mailbox.fail(&err);
                 self.early.lock().get_or_insert((err, tell_peers));
             }
+        }
+    }
+
+    fn fail_relaying(&self, err: PlaitError, reason: AbortReason) {
+        let fabric = self.fabric.lock().upgrade();
+        match fabric {
+            Some(f) => {
+                f.fail_with(err, Some(reason));
+            }
+            None => self.fail(err, false),
         }
     }
 
@@ -98,15 +117,54 @@ impl Inbox for CommInbox {
             Some(FrameKind::Data) | Some(FrameKind::P2p) => self.mailbox.deliver(peer, h, payload),
             Some(FrameKind::Abort) => {
                 let text = read_text(payload, 4096)?;
-                let (culprit, addr, what) = crate::exec::fabric::parse_abort_reason(peer, &text);
-                let err = if culprit == peer {
-                    PlaitError::Peer { op: String::new(), peer, addr: self.addr(peer), what: format!("failed: {what}"), waited: Duration::ZERO }
+                let reason = AbortReason::parse(peer, &text);
+                let via = if reason.reporter == peer { String::new() } else { format!(", relayed by rank {peer}") };
+                let fabric = self.fabric.lock().upgrade();
+                let me = fabric.as_ref().map(|f| f.rank);
+                // Links of this rank that went quiet (a cut cable, a stopped process) other
+                // than the ones the report is about.
+                let silent: Vec<(usize, Duration)> = fabric
+                    .map(|f| f.silent_peers(self.quiet))
+                    .unwrap_or_default()
+                    .into_iter()
+                    .filter(|(p, _)| *p != peer && *p != reason.culprit && *p != reason.reporter)
+                    .collect();
+                let about_third_rank = reason.culprit != reason.reporter && Some(reason.culprit) != me;
+                let err = if reason.culprit == reason.reporter {
+                    let what = format!("failed: {}{via}", reason.what);
+                    PlaitError::Peer { op: String::new(), peer: reason.reporter, addr: self.addr(reason.reporter), what, waited: Duration::ZERO }
+                } else if Some(reason.culprit) == me {
+                    // The reporter lost contact with this rank (a dead link between the two):
+                    // from here, the reporter is the peer that is out of reach.
+                    let what = format!("lost contact with this rank and gave up ({}){via}", reason.what);
+                    PlaitError::Peer { op: String::new(), peer: reason.reporter, addr: self.addr(reason.reporter), what, waited: Duration::ZERO }
                 } else {
-                    let addr = if addr.is_empty() { self.addr(culprit) } else { addr };
-                    let what = format!("{what} (reported by rank {peer})");
-                    PlaitError::Peer { op: String::new(), peer: culprit, addr, what, waited: Duration::ZERO }
+                    let addr = if reason.addr.is_empty() { self.addr(reason.culprit) } else { reason.addr.clone() };
+                    let what = format!("{} (reported by rank {}{via})", reason.what, reason.reporter);
+                    PlaitError::Peer { op: String::new(), peer: reason.culprit, addr, what, waited: Duration::ZERO }
                 };
-                self.fail(err, false);
+                let err = match (silent.first(), &err) {
+                    // A peer that gave up waiting for this rank most likely waited because this
+                    // rank was itself waiting on its silent link: that link is the cause here.
+                    (Some(&(p, d)), PlaitError::Peer { peer: blamed, what, .. }) if !about_third_rank => PlaitError::Peer {
+                        op: String::new(),
+                        peer: p,
+                        addr: self.addr(p),
+                        what: format!("silent for {d:.1?} (cut off, stopped or hung); meanwhile rank {blamed} {what}"),
+                        waited: Duration::ZERO,
+                    },
+                    (Some(&(p, d)), PlaitError::Peer { peer, addr, what, .. }) => PlaitError::Peer {
+                        op: String::new(),
+                        peer: *peer,
+                        addr: addr.clone(),
+                        what: format!("{what}; rank {p} ({}) has also been silent for {d:.1?}", self.addr(p)),
+                        waited: Duration::ZERO,
+                    },
+                    _ => err,
+                };
+                // Passed on once, so that ranks the reporter cannot reach still hear the reason
+                // before this rank's links close.
+                self.fail_relaying(err, reason);
                 Ok(())
             }
             Some(FrameKind::Close) => {

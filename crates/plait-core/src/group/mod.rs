@@ -222,8 +222,8 @@ impl Communicator {
         store.set(&format!("{prefix}/rank/{rank}"), &serde_json::to_vec(&me).unwrap())?;
 
         let mailbox = Arc::new(Mailbox::new());
-        let inbox = Arc::new(CommInbox::new(mailbox.clone()));
         let heartbeat = (cfg.timeout / 4).clamp(Duration::from_millis(50), Duration::from_secs(1));
+        let inbox = Arc::new(CommInbox::new(mailbox.clone(), heartbeat));
         let mut fabric = Fabric::new(rank, size, mailbox);
         let mut routes: Vec<LinkRecord> = Vec::new();
         let mut all_links: Vec<Vec<LinkRecord>> = Vec::new();
