@@ -7,7 +7,7 @@ use crate::net::frame::FrameKind;
 use crate::net::peer::PeerLink;
 use parking_lot::Mutex;
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -17,6 +17,8 @@ pub struct Fabric {
     pub links: Vec<Option<Arc<PeerLink>>>,
     pub mailbox: Arc<Mailbox>,
     broken: Mutex<Option<PlaitError>>,
+    /// Whether threads waiting for operations read the links themselves (see `net::reader`).
+    caller_progress: AtomicBool,
     next_op_id: AtomicU64,
     p2p_send_next: Mutex<HashMap<(usize, u64), u32>>,
 }
@@ -69,6 +71,7 @@ impl Fabric {
             links: (0..size).map(|_| None).collect(),
             mailbox,
             broken: Mutex::new(None),
+            caller_progress: AtomicBool::new(false),
             next_op_id: AtomicU64::new(1),
             p2p_send_next: Mutex::new(HashMap::new()),
         }
@@ -80,6 +83,26 @@ impl Fabric {
 
     pub fn peer_addr(&self, peer: usize) -> String {
         self.links.get(peer).and_then(|l| l.as_ref()).map(|l| l.addr.clone()).unwrap_or_default()
+    }
+
+    /// Small blocking operations: the waiting thread reads the links itself, one thread
+    /// wake-up per message instead of two. Anything else: the links' receiver threads read.
+    pub fn set_caller_progress(&self, on: bool) {
+        if self.caller_progress.swap(on, Ordering::AcqRel) != on {
+            for link in self.links.iter().flatten() {
+                link.set_caller_mode(on);
+            }
+        }
+    }
+
+    pub fn caller_progress(&self) -> bool {
+        self.caller_progress.load(Ordering::Acquire)
+    }
+
+    /// Reads, on this thread, frames that arrive within `wait` (see `set_caller_progress`).
+    pub fn progress(&self, wait: Duration, frame_deadline: Instant) -> bool {
+        let links: Vec<&PeerLink> = self.links.iter().flatten().map(|l| &**l).collect();
+        crate::net::peer::caller_progress(&links, wait, frame_deadline)
     }
 
     pub fn op_id(&self) -> u64 {

@@ -243,7 +243,7 @@ impl Run<'_> {
         }
         while st.done < st.step.len() {
             let wake = deadline.min(Instant::now() + Duration::from_millis(100));
-            match rx.recv_deadline(wake) {
+            match next_event(self.fabric, rx, wake, deadline) {
                 Ok(ev) => {
                     st.outstanding -= 1;
                     if let Err(e) = ev.result {
@@ -501,6 +501,28 @@ impl Run<'_> {
     }
 }
 
+/// The next event of an operation, waiting until `until`. While callers read the links (a
+/// small operation run on the waiting thread), this thread reads frames itself meanwhile and
+/// finishes a frame it began by `frame_deadline` (the operation's deadline).
+fn next_event(fabric: &Fabric, rx: &Receiver<Event>, until: Instant, frame_deadline: Instant) -> std::result::Result<Event, RecvTimeoutError> {
+    loop {
+        if !fabric.caller_progress() {
+            return rx.recv_deadline(until);
+        }
+        match rx.try_recv() {
+            Ok(ev) => return Ok(ev),
+            Err(crossbeam_channel::TryRecvError::Disconnected) => return Err(RecvTimeoutError::Disconnected),
+            Err(crossbeam_channel::TryRecvError::Empty) => {}
+        }
+        let now = Instant::now();
+        if now >= until {
+            return Err(RecvTimeoutError::Timeout);
+        }
+        // Short waits: a send finished by a link's sender thread reports through `rx`, not a socket.
+        fabric.progress((until - now).min(Duration::from_millis(2)), frame_deadline);
+    }
+}
+
 /// A transfer that failed because its peer's socket closed says little about why: the peer may
 /// have closed it because a third rank failed. Give the communicator a moment to learn the real
 /// cause (an Abort frame, or the dead rank's own link closing) before blaming that peer.
@@ -644,7 +666,7 @@ pub fn recv_p2p(fabric: &Fabric, src: Option<usize>, tag: u64, dtype: DType, dst
 fn wait_one(fabric: &Fabric, rx: &Receiver<Event>, start: Instant, timeout: Duration, what: &str, peer: usize, doing: &str) -> std::result::Result<usize, (PlaitError, bool)> {
     let deadline = start + timeout;
     loop {
-        match rx.recv_deadline(deadline.min(Instant::now() + Duration::from_millis(100))) {
+        match next_event(fabric, rx, deadline.min(Instant::now() + Duration::from_millis(100)), deadline) {
             Ok(ev) => return ev.result.map(|_| ev.source).map_err(|e| (e, false)),
             Err(_) => {
                 if let Some(err) = fabric.broken() {

@@ -37,6 +37,9 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 pub const DEFAULT_SEGMENT_BYTES: usize = 1 << 20;
+/// Blocking calls this small read their links on the calling thread: saves a thread hand-off
+/// per message, while larger transfers keep one receiver thread per link (links in parallel).
+pub const DEFAULT_CALLER_READ_BYTES: usize = 64 * 1024;
 const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
 /// Async operations run on worker threads; a new one starts whenever none is idle, so an
 /// operation never waits behind another (an async receive posted before its matching send
@@ -56,6 +59,9 @@ pub struct CommConfig {
     /// `PLAIT_ALGO` syntax: `allreduce:ring,allgather:direct`.
     pub algo: Option<String>,
     pub segment_bytes: usize,
+    /// Blocking calls up to this many bytes read their links on the calling thread
+    /// (`PLAIT_CALLER_READ_BYTES`; 0 turns it off).
+    pub caller_read_bytes: usize,
     /// `PLAIT_IFACE` syntax (NCCL_SOCKET_IFNAME-like).
     pub iface: Option<String>,
     /// `PLAIT_ROUTES`: path of an N x N route matrix that overrides subnet matching.
@@ -86,9 +92,16 @@ impl CommConfig {
             })?,
             None => DEFAULT_SEGMENT_BYTES,
         };
+        let caller_read_bytes = match env_nonempty("PLAIT_CALLER_READ_BYTES") {
+            Some(v) => v.parse::<usize>().map_err(|_| {
+                PlaitError::Config(format!("PLAIT_CALLER_READ_BYTES={v:?} must be a number of bytes (0 turns caller reads off)"))
+            })?,
+            None => DEFAULT_CALLER_READ_BYTES,
+        };
         Ok(CommConfig {
             rank,
             size,
+            caller_read_bytes,
             group: "default".into(),
             epoch: 0,
             timeout,
@@ -466,8 +479,9 @@ impl Communicator {
     pub fn collective(self: &Arc<Self>, req: CollRequest, inline: bool) -> Result<Work> {
         let (spec, sched, layout) = self.prepare(&req)?;
         let (input, output) = (req.input, req.output);
+        let caller_reads = inline && input.len.max(output.len) <= self.cfg.caller_read_bytes;
         let me = self.clone();
-        self.submit(inline, Box::new(move || {
+        self.submit(inline, caller_reads, Box::new(move || {
             exec::run_collective(&me.fabric, &spec, &sched, &layout, input, output).map(|_| 0)
         }))
     }
@@ -484,9 +498,10 @@ impl Communicator {
         let timeout = timeout.unwrap_or(self.cfg.timeout);
         let what: Arc<str> = format!("send to rank {peer} (tag {tag}, {} bytes)", data.len).into();
         // Queued now, in call order; only the waiting runs later.
+        self.fabric.set_caller_progress(inline && data.len <= self.cfg.caller_read_bytes);
         let started = exec::start_send(&self.fabric, peer, tag, dtype, data, what)?;
         let me = self.clone();
-        self.submit(inline, Box::new(move || exec::finish_p2p(&me.fabric, started, timeout)))
+        self.submit(inline, inline && data.len <= self.cfg.caller_read_bytes, Box::new(move || exec::finish_p2p(&me.fabric, started, timeout)))
     }
 
     /// `src = None` receives from any source; the Work's value is the sender's rank.
@@ -505,9 +520,10 @@ impl Communicator {
         let from = src.map(|s| format!("rank {s}")).unwrap_or_else(|| "any rank".into());
         let what: Arc<str> = format!("recv from {from} (tag {tag}, {} bytes)", data.len).into();
         // Posted now, in call order; only the waiting runs later.
+        self.fabric.set_caller_progress(inline && data.len <= self.cfg.caller_read_bytes);
         let started = exec::start_recv(&self.fabric, src, tag, dtype, data, what)?;
         let me = self.clone();
-        self.submit(inline, Box::new(move || exec::finish_p2p(&me.fabric, started, timeout)))
+        self.submit(inline, inline && data.len <= self.cfg.caller_read_bytes, Box::new(move || exec::finish_p2p(&me.fabric, started, timeout)))
     }
 
     /// Every rank waits until every rank has entered the barrier.
@@ -530,14 +546,17 @@ impl Communicator {
         let (mut spec, sched, layout) = self.prepare(&req)?;
         spec.what = format!("barrier #{}", spec.seq).into();
         let me = self.clone();
-        self.submit(inline, Box::new(move || {
+        self.submit(inline, inline, Box::new(move || {
             let r = exec::run_collective(&me.fabric, &spec, &sched, &layout, buf, buf).map(|_| 0);
             drop(token);
             r
         }))
     }
 
-    fn submit(&self, inline: bool, run: Box<dyn FnOnce() -> Result<usize> + Send>) -> Result<Work> {
+    /// Runs `run` here (`inline`) or on a worker. `caller_reads`: this thread reads the links
+    /// while it waits (small blocking calls); otherwise the links' receiver threads read.
+    fn submit(&self, inline: bool, caller_reads: bool, run: Box<dyn FnOnce() -> Result<usize> + Send>) -> Result<Work> {
+        self.fabric.set_caller_progress(caller_reads);
         let work = Work::new();
         if inline {
             work.complete(run());

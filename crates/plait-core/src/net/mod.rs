@@ -5,4 +5,5 @@ pub mod frame;
 pub mod iface;
 pub mod link;
 pub mod peer;
+mod reader;
 pub mod route;

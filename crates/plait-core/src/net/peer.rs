@@ -5,6 +5,7 @@
 //! blocked write to one slow peer must never stall another.
 
 use super::frame::{FrameHeader, FrameKind, HEADER_LEN};
+use super::reader::ReadSide;
 use crossbeam_channel::{Receiver, Sender};
 use parking_lot::Mutex;
 use std::io::{self, Read, Write};
@@ -58,7 +59,15 @@ pub struct PeerLink {
     closing: Arc<AtomicBool>,
     /// Set when this side stops reading on purpose: the receiver exits without reporting.
     deaf: Arc<AtomicBool>,
+    pub(super) read: Arc<ReadSide>,
     threads: Mutex<Vec<JoinHandle<()>>>,
+}
+
+/// Waits up to `wait` for any of `links` (those a caller may read, see `reader`) to have
+/// frames, and reads them on this thread; frames begun are finished by `deadline`.
+pub fn caller_progress(links: &[&PeerLink], wait: Duration, deadline: Instant) -> bool {
+    let sides: Vec<&ReadSide> = links.iter().map(|l| &*l.read).filter(|r| r.readable_by_caller()).collect();
+    super::reader::caller_progress(&sides, wait, deadline)
 }
 
 impl PeerLink {
@@ -81,6 +90,7 @@ impl PeerLink {
             last_tx: Instant::now(),
             failed: None,
         }));
+        let read = Arc::new(ReadSide::new(peer, stream.try_clone()?, inbox, heartbeat, last_rx.clone(), epoch_start, deaf.clone())?);
         let link = Arc::new(PeerLink {
             peer,
             addr,
@@ -92,16 +102,15 @@ impl PeerLink {
             epoch_start,
             closing: closing.clone(),
             deaf: deaf.clone(),
+            read: read.clone(),
             threads: Mutex::new(Vec::new()),
         });
         let send_closing = closing.clone();
         let sender = std::thread::Builder::new()
             .name(format!("plait-send-{peer}"))
             .spawn(move || send_loop(writer, queue_rx, urgent_rx, heartbeat, send_closing))?;
-        let reader = stream;
-        let receiver = std::thread::Builder::new()
-            .name(format!("plait-recv-{peer}"))
-            .spawn(move || recv_loop(peer, reader, inbox, last_rx, epoch_start, deaf))?;
+        drop(stream);
+        let receiver = std::thread::Builder::new().name(format!("plait-recv-{peer}")).spawn(move || read.run())?;
         link.threads.lock().extend([sender, receiver]);
         Ok(link)
     }
@@ -158,6 +167,12 @@ impl PeerLink {
     pub fn stop_reading(&self) {
         self.deaf.store(true, Ordering::SeqCst);
         let _ = self.stream.shutdown(Shutdown::Read);
+        self.read.wake();
+    }
+
+    /// Lets the thread waiting for a small operation read this link itself (see `reader`).
+    pub fn set_caller_mode(&self, on: bool) {
+        self.read.set_caller_mode(on);
     }
 
     /// Ends both directions now: blocked reads and writes return at once.
@@ -165,6 +180,7 @@ impl PeerLink {
         self.deaf.store(true, Ordering::SeqCst);
         self.closing.store(true, Ordering::SeqCst);
         let _ = self.stream.shutdown(Shutdown::Both);
+        self.read.wake();
     }
 
     /// Shuts the socket down and joins both threads.
@@ -258,64 +274,5 @@ fn write_frame(w: &mut TcpStream, req: &SendReq, scratch: &mut Vec<u8>) -> io::R
     } else {
         w.write_all(&header)?;
         w.write_all(payload)
-    }
-}
-
-fn recv_loop(
-    peer: usize,
-    mut r: TcpStream,
-    inbox: Arc<dyn Inbox>,
-    last_rx: Arc<AtomicU64>,
-    epoch_start: Instant,
-    deaf: Arc<AtomicBool>,
-) {
-    let mut clean = false;
-    let err = loop {
-        let header = match FrameHeader::read_from(&mut r) {
-            Ok(h) => h,
-            Err(e) => break e,
-        };
-        last_rx.store(epoch_start.elapsed().as_nanos() as u64, Ordering::Relaxed);
-        match FrameKind::from_u8(header.kind) {
-            Some(FrameKind::Heartbeat) => continue,
-            Some(FrameKind::Close) => clean = true,
-            _ => {}
-        }
-        let mut payload = CountingReader { inner: &mut r, left: header.nbytes, last_rx: &last_rx, epoch_start };
-        if let Err(e) = inbox.deliver(peer, &header, &mut payload) {
-            break e;
-        }
-        if payload.left != 0 {
-            // Only a read that failed part-way leaves payload behind: the link went down mid-frame.
-            break io::Error::new(io::ErrorKind::UnexpectedEof, "the connection closed in the middle of a message");
-        }
-    };
-    if deaf.load(Ordering::SeqCst) {
-        return;
-    }
-    inbox.link_down(peer, err, clean);
-}
-
-/// Reads at most the frame's payload, refreshing the liveness clock as bytes arrive.
-struct CountingReader<'a> {
-    inner: &'a mut TcpStream,
-    left: u64,
-    last_rx: &'a AtomicU64,
-    epoch_start: Instant,
-}
-
-impl Read for CountingReader<'_> {
-    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        if self.left == 0 {
-            return Ok(0);
-        }
-        let max = buf.len().min(self.left as usize);
-        let n = self.inner.read(&mut buf[..max])?;
-        if n == 0 {
-            return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "peer closed mid-frame"));
-        }
-        self.left -= n as u64;
-        self.last_rx.store(self.epoch_start.elapsed().as_nanos() as u64, Ordering::Relaxed);
-        Ok(n)
     }
 }
