@@ -4,9 +4,12 @@ in the same run (same world, same sizes, same machine), so the ratios mean somet
 By default it spawns `--nproc` local ranks on loopback; under torchrun or `plait testbed run`
 (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set) it measures the real links instead.
 
-Metrics follow nccl-tests (GB = 1e9 bytes): t is the per-iteration time of the slowest rank,
-algbw = S / t, busbw = algbw * factor, with S and factor per collective as in
-`shared/notes/benchmarks.md`.
+Metrics follow nccl-tests (GB = 1e9 bytes): each rank takes the median (p50) and the 99th
+percentile (p99) of its own per-iteration times, and the slowest rank's figure is reported;
+algbw = S / t(p50), busbw = algbw * factor, with S and factor per collective as in
+`shared/notes/benchmarks.md`. "mean" is the loop's wall time divided by the iterations on the
+slowest rank (nccl-tests' own time figure): it includes everything between calls, so it shows
+throughput of back-to-back calls where p50 shows the latency of one.
 """
 
 from __future__ import annotations
@@ -188,13 +191,19 @@ def worker(args) -> int:
             run = _runner(dist, args.op, x, y, n, rank)
             for _ in range(args.warmup):
                 run()
-            times = torch.empty(args.iters, dtype=torch.float64)
+            times = [0.0] * args.iters
+            loop_start = time.perf_counter()
             for i in range(args.iters):
                 t0 = time.perf_counter()
                 run()
                 times[i] = time.perf_counter() - t0
-            # The slowest rank's time per iteration, as nccl-tests reports.
-            dist.all_reduce(times, op=dist.ReduceOp.MAX)
+            mean = (time.perf_counter() - loop_start) / max(1, args.iters)
+            ts = sorted(times)
+            own = torch.tensor([ts[len(ts) // 2], ts[min(len(ts) - 1, int(round(0.99 * (len(ts) - 1))))], mean],
+                               dtype=torch.float64)
+            # Each rank's own percentiles; the slowest rank's figures are reported.
+            dist.all_reduce(own, op=dist.ReduceOp.MAX)
+            p50, p99, mean = own.tolist()
             wrong = 0
             if args.check:
                 x2, y2, _ = _tensors(torch, args.op, S, n, rank, dt)
@@ -202,14 +211,11 @@ def worker(args) -> int:
                 w = torch.tensor([_count_wrong(torch, args.op, x2, y2, n, rank, dt)], dtype=torch.float64)
                 dist.all_reduce(w)
                 wrong = int(w.item())
-            ts = sorted(times.tolist())
-            p50 = ts[len(ts) // 2]
-            p99 = ts[min(len(ts) - 1, int(round(0.99 * (len(ts) - 1))))]
             algbw = S_real / p50 / 1e9
             results.append({
                 "backend": backend, "op": args.op, "dtype": args.dtype, "size": S_real,
                 "count": x.numel(), "algorithm": _algorithm(dist, backend, args.op, S_real, n),
-                "time_p50_us": p50 * 1e6, "time_p99_us": p99 * 1e6, "algbw_GBps": algbw,
+                "time_p50_us": p50 * 1e6, "time_p99_us": p99 * 1e6, "time_mean_us": mean * 1e6, "algbw_GBps": algbw,
                 "busbw_GBps": algbw * busbw_factor(args.op, n), "wrong": wrong,
             })
             done += 1
@@ -251,14 +257,14 @@ def report(payload: dict, args) -> None:
         if b == "plait" and payload.get("wire"):
             title += f", wire {payload['wire']}"
         table = Table(title=title)
-        for col in ("size", "count", "algorithm", "p50 us", "p99 us", "algbw", "busbw", "#wrong"):
+        for col in ("size", "count", "algorithm", "p50 us", "p99 us", "mean us", "algbw", "busbw", "#wrong"):
             table.add_column(col, justify="left" if col == "algorithm" else "right")
         for S in all_sizes:
             r = by.get((b, S))
             if r is None:
                 continue
             table.add_row(_human(S), str(r["count"]), r["algorithm"], f"{r['time_p50_us']:.1f}",
-                          f"{r['time_p99_us']:.1f}", f"{r['algbw_GBps']:.3f}", f"{r['busbw_GBps']:.3f}",
+                          f"{r['time_p99_us']:.1f}", f"{r['time_mean_us']:.1f}", f"{r['algbw_GBps']:.3f}", f"{r['busbw_GBps']:.3f}",
                           f"[red]{r['wrong']}[/red]" if r["wrong"] else "0")
         console.print(table)
     if len(backends) >= 2:
@@ -267,6 +273,7 @@ def report(payload: dict, args) -> None:
         table.add_column("size", justify="right")
         for b in backends[:-1]:
             table.add_column(f"p50 {b}/{base}", justify="right")
+            table.add_column(f"mean {b}/{base}", justify="right")
             table.add_column(f"busbw {b}/{base}", justify="right")
         for S in all_sizes:
             ref = by.get((base, S))
@@ -274,13 +281,15 @@ def report(payload: dict, args) -> None:
             for b in backends[:-1]:
                 r = by.get((b, S))
                 if r is None or ref is None:
-                    cells += ["-", "-"]
+                    cells += ["-", "-", "-"]
                     continue
                 cells += [f"{r['time_p50_us'] / ref['time_p50_us']:.2f}",
+                          f"{r['time_mean_us'] / ref['time_mean_us']:.2f}",
                           f"{r['busbw_GBps'] / ref['busbw_GBps']:.2f}" if ref["busbw_GBps"] else "-"]
             table.add_row(*cells)
         console.print(table)
-    console.print("algbw and busbw in GB/s (1e9 bytes); times are the slowest rank's per iteration.")
+    console.print("algbw and busbw in GB/s (1e9 bytes); p50/p99: each rank's own percentiles, the slowest rank's shown;"
+                  " mean: loop time / iterations (back-to-back calls), the slowest rank's.")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(payload, f, indent=1)

@@ -4,6 +4,10 @@ Both runs train the same small model on the same batches; the act prints the two
 by side (they agree to float rounding: only the order of the gradient sums may differ) and the
 step times. Run alone with `python -m plait.demo_ddp [--nproc 3] [--steps 30]`.
 
+`python -m plait.demo_ddp --wire bf16` instead trains with plait twice, float32 on the wire and
+then compressed (bf16, f16 or int8), and compares the losses: compression rounds every gradient
+sum, so the curves are not identical, but they must end at the same loss within noise.
+
 The ranks are `python -m plait.demo_ddp --worker` processes meeting through torchrun's
 environment variables (rank 0 serves the TCPStore); they write JSON lines to stdout.
 """
@@ -82,7 +86,7 @@ def _worker(a):
 # parent side
 
 
-def _run_backend(backend, nproc, steps, batch, on_step):
+def _run_backend(backend, nproc, steps, batch, on_step, wire=None):
     """Runs one training; returns (steps, done records, error text or None)."""
     port = _free_port()
     logs = [tempfile.TemporaryFile() for _ in range(nproc)]
@@ -91,6 +95,9 @@ def _run_backend(backend, nproc, steps, batch, on_step):
     steps_seen, done = [], {}
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(nproc),
                PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    env.pop("PLAIT_WIRE_DTYPE", None)
+    if wire:
+        env["PLAIT_WIRE_DTYPE"] = wire
     try:
         for r in range(nproc):
             cmd = [sys.executable, "-m", "plait.demo_ddp", "--worker", "--backend", backend,
@@ -210,11 +217,48 @@ def run_ddp_act(console, nproc=3, steps=30, batch=96):
     return summary
 
 
+def run_wire_check(console, wire, nproc=3, steps=60, batch=96, tail=10):
+    """Trains with plait twice, float32 wire then `wire`, and compares the losses. Returns a
+    summary dict; `ok` when both runs learn (the loss at least halves) and the mean loss of the
+    last `tail` steps agrees within 2 %."""
+    from rich.table import Table
+
+    runs = {}
+    for w in ("native", wire):
+        with console.status(f"training with plait, {w} wire ...") as status:
+            def on_step(ev, status=status, w=w):
+                status.update(f"plait, {w} wire: step {ev['step'] + 1}/{steps}, loss {ev['loss']:.5f}")
+
+            s, done, err = _run_backend("plait", nproc, steps, batch, on_step, wire=w)
+        if err or len(s) < steps:
+            console.print(f"[red]{w} wire run failed: {err}", highlight=False, markup=False)
+            return {"ok": False, "wire": wire, "error": err}
+        runs[w] = [e["loss"] for e in sorted(s, key=lambda e: e["step"])]
+    base, comp = runs["native"], runs[wire]
+    table = Table(title=f"DDP loss per step, plait with float32 wire and {wire} wire ({nproc} ranks)")
+    for col in ("step", "float32 wire", f"{wire} wire", "relative difference"):
+        table.add_column(col, justify="right")
+    for i in sorted(set(range(0, steps, max(1, steps // 10))) | {steps - 1}):
+        table.add_row(str(i), f"{base[i]:.6f}", f"{comp[i]:.6f}", f"{abs(comp[i] - base[i]) / base[i]:.1e}")
+    console.print(table)
+    end_base, end_comp = sum(base[-tail:]) / tail, sum(comp[-tail:]) / tail
+    noise = 0.02
+    rel = abs(end_comp - end_base) / end_base
+    ok = rel <= noise and end_base < 0.5 * base[0] and end_comp < 0.5 * comp[0]
+    console.print(f"mean loss of the last {tail} steps: float32 wire {end_base:.6f}, {wire} wire {end_comp:.6f} "
+                  f"(relative difference {rel:.2%}, tolerance {noise:.0%}; from {base[0]:.4f} at step 0)", highlight=False)
+    console.print(f"[bold green]{wire} wire trains to the same loss" if ok else f"[bold red]{wire} wire: loss differs")
+    return {"ok": ok, "wire": wire, "end_native": end_base, "end_wire": end_comp, "rel_diff": rel, "noise": noise,
+            "native": base, "compressed": comp}
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--nproc", type=int, default=3)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--batch", type=int, default=96)
+    ap.add_argument("--wire", choices=("bf16", "f16", "int8"), default=None,
+                    help="compare plait with float32 and with this wire dtype instead of plait with gloo")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--backend", default="plait", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -222,6 +266,10 @@ def main(argv=None):
         _worker(a)
         return 0
     from rich.console import Console
+
+    if a.wire:
+        s = run_wire_check(Console(), a.wire, nproc=a.nproc, steps=a.steps, batch=a.batch)
+        return 0 if s.get("ok") else 1
 
     s = run_ddp_act(Console(), nproc=a.nproc, steps=a.steps, batch=a.batch)
     return 0 if s.get("ok") else 1
