@@ -71,7 +71,10 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
     p.add_argument("--dtype", choices=DTYPES, default="f32")
     p.add_argument("--wire", choices=("native", "bf16", "f16", "int8"), default=None,
                    help="plait wire compression for f32 allreduce (default: PLAIT_WIRE_DTYPE or none)")
-    p.add_argument("--backend", default="plait", help="comma list run one after another, e.g. plait,gloo")
+    p.add_argument("--backend", default="plait",
+                   help="comma list run one after another, e.g. plait,gloo; 'tcp-ring' (allreduce only) is the "
+                        "floor: each rank streams the bytes a ring allreduce moves, 2(n-1)/n * S, to its neighbour "
+                        "over plain TCP while receiving as much, with no reduction and no copies")
     p.add_argument("--nproc", type=int, default=None, help="local ranks to spawn (default 2; ignored under torchrun)")
     p.add_argument("--json", metavar="FILE", help="also write every figure as JSON")
     p.add_argument("--plot", metavar="FILE.png", help="busbw and latency against size, a line per backend")
@@ -128,6 +131,62 @@ def _runner(dist, op, x, y, n, rank):
     return sendrecv
 
 
+class _TcpRing:
+    """The transport floor of an allreduce: every rank sends 2(n-1)/n * S bytes to the next rank
+    over one plain TCP stream while receiving as much from the previous one (what a ring moves,
+    without its reductions, copies or step boundaries). A collective cannot beat this on links
+    where the kernel's copies are the bottleneck (loopback on a small machine)."""
+
+    def __init__(self, store, rank, n):
+        import socket
+
+        self.n = n
+        if n == 1:
+            return
+        master = os.environ["MASTER_ADDR"]
+        probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        probe.connect((socket.gethostbyname(master), 9))
+        host = probe.getsockname()[0]
+        probe.close()
+        ls = socket.socket()
+        ls.bind((host, 0))
+        ls.listen(1)
+        store.set(f"tcp-ring/{rank}", f"{host}:{ls.getsockname()[1]}")
+        peer_host, peer_port = store.get(f"tcp-ring/{(rank + 1) % n}").decode().rsplit(":", 1)
+        self.out = socket.create_connection((peer_host, int(peer_port)))
+        self.inp, _ = ls.accept()
+        ls.close()
+        for sock in (self.out, self.inp):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def runner(self, S):
+        import threading
+
+        import numpy as np
+
+        if self.n == 1:
+            return lambda: None
+        nbytes = max(1, 2 * (self.n - 1) * S // self.n)
+        src, dst = np.ones(nbytes, np.uint8), np.empty(nbytes, np.uint8)
+
+        def run():
+            t = threading.Thread(target=self.out.sendall, args=(memoryview(src),))
+            t.start()
+            view, got = memoryview(dst), 0
+            while got < nbytes:
+                k = self.inp.recv_into(view[got:])
+                if k == 0:
+                    raise ConnectionError("tcp-ring: the previous rank closed its stream")
+                got += k
+            t.join()
+        return run
+
+    def close(self):
+        if self.n > 1:
+            self.out.close()
+            self.inp.close()
+
+
 def _expected(torch, op, n, rank, dt):
     fills = [float(r % 4 + 1) for r in range(n)]
     if op in ("allreduce", "reduce_scatter"):
@@ -154,6 +213,8 @@ def _count_wrong(torch, op, x, y, n, rank, dt):
 
 
 def _algorithm(dist, backend, op, S, n):
+    if backend == "tcp-ring":
+        return "raw ring"
     if backend != "plait" or op == "sendrecv":
         return "-"
     try:
@@ -184,11 +245,16 @@ def worker(args) -> int:
     total = len(steps) * len(backends)
     done = 0
     for backend in backends:
-        dist.init_process_group(backend, store=dist.PrefixStore(f"bench/{backend}", store), rank=rank, world_size=n,
-                                timeout=timedelta(seconds=args.timeout))
+        raw = backend == "tcp-ring"
+        if raw and args.op != "allreduce":
+            raise SystemExit("plait bench: the tcp-ring floor is defined for --op allreduce only")
+        # The floor still needs a group to gather the timings: gloo's.
+        dist.init_process_group("gloo" if raw else backend, store=dist.PrefixStore(f"bench/{backend}", store),
+                                rank=rank, world_size=n, timeout=timedelta(seconds=args.timeout))
+        ring = _TcpRing(dist.PrefixStore("bench/tcp-ring", store), rank, n) if raw else None
         for S in steps:
             x, y, S_real = _tensors(torch, args.op, S, n, rank, dt)
-            run = _runner(dist, args.op, x, y, n, rank)
+            run = ring.runner(S_real) if raw else _runner(dist, args.op, x, y, n, rank)
             for _ in range(args.warmup):
                 run()
             times = [0.0] * args.iters
@@ -205,7 +271,7 @@ def worker(args) -> int:
             dist.all_reduce(own, op=dist.ReduceOp.MAX)
             p50, p99, mean = own.tolist()
             wrong = 0
-            if args.check:
+            if args.check and not raw:
                 x2, y2, _ = _tensors(torch, args.op, S, n, rank, dt)
                 _runner(dist, args.op, x2, y2, n, rank)()
                 w = torch.tensor([_count_wrong(torch, args.op, x2, y2, n, rank, dt)], dtype=torch.float64)
@@ -222,6 +288,8 @@ def worker(args) -> int:
             if progress:
                 print(f"PROGRESS {done} {total} {backend} {S_real}", flush=True)
             del x, y
+        if ring is not None:
+            ring.close()
         dist.destroy_process_group()
     if rank == 0:
         payload = {"world_size": n, "op": args.op, "dtype": args.dtype, "wire": args.wire or os.environ.get("PLAIT_WIRE_DTYPE"),

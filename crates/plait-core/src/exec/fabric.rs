@@ -19,6 +19,9 @@ pub struct Fabric {
     broken: Mutex<Option<PlaitError>>,
     /// Whether threads waiting for operations read the links themselves (see `net::reader`).
     caller_progress: AtomicBool,
+    /// How long a waiting caller polls its links without sleeping before it blocks (latency
+    /// for CPU: only worth it with a core to spare per rank).
+    pub busy_poll: Duration,
     next_op_id: AtomicU64,
     p2p_send_next: Mutex<HashMap<(usize, u64), u32>>,
 }
@@ -72,6 +75,7 @@ impl Fabric {
             mailbox,
             broken: Mutex::new(None),
             caller_progress: AtomicBool::new(false),
+            busy_poll: Duration::ZERO,
             next_op_id: AtomicU64::new(1),
             p2p_send_next: Mutex::new(HashMap::new()),
         }
@@ -102,7 +106,17 @@ impl Fabric {
     /// Reads, on this thread, frames that arrive within `wait` (see `set_caller_progress`).
     pub fn progress(&self, wait: Duration, frame_deadline: Instant) -> bool {
         let links: Vec<&PeerLink> = self.links.iter().flatten().map(|l| &**l).collect();
-        crate::net::peer::caller_progress(&links, wait, frame_deadline)
+        let spin = self.busy_poll.min(wait);
+        if !spin.is_zero() {
+            let until = Instant::now() + spin;
+            while Instant::now() < until {
+                if crate::net::peer::caller_progress(&links, Duration::ZERO, frame_deadline) {
+                    return true;
+                }
+                std::hint::spin_loop();
+            }
+        }
+        crate::net::peer::caller_progress(&links, wait - spin, frame_deadline)
     }
 
     pub fn op_id(&self) -> u64 {

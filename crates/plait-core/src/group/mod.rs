@@ -62,6 +62,9 @@ pub struct CommConfig {
     /// Blocking calls up to this many bytes read their links on the calling thread
     /// (`PLAIT_CALLER_READ_BYTES`; 0 turns it off).
     pub caller_read_bytes: usize,
+    /// A caller reading its links polls them without sleeping this long before it blocks
+    /// (`PLAIT_BUSY_POLL_US`, default 0: off).
+    pub busy_poll: Duration,
     /// `PLAIT_IFACE` syntax (NCCL_SOCKET_IFNAME-like).
     pub iface: Option<String>,
     /// `PLAIT_ROUTES`: path of an N x N route matrix that overrides subnet matching.
@@ -98,10 +101,17 @@ impl CommConfig {
             })?,
             None => DEFAULT_CALLER_READ_BYTES,
         };
+        let busy_poll = match env_nonempty("PLAIT_BUSY_POLL_US") {
+            Some(v) => Duration::from_micros(v.parse::<u64>().map_err(|_| {
+                PlaitError::Config(format!("PLAIT_BUSY_POLL_US={v:?} must be a number of microseconds (0 turns busy polling off)"))
+            })?),
+            None => Duration::ZERO,
+        };
         Ok(CommConfig {
             rank,
             size,
             caller_read_bytes,
+            busy_poll,
             group: "default".into(),
             epoch: 0,
             timeout,
@@ -238,6 +248,7 @@ impl Communicator {
         let heartbeat = (cfg.timeout / 4).clamp(Duration::from_millis(50), Duration::from_secs(1));
         let inbox = Arc::new(CommInbox::new(mailbox.clone(), heartbeat));
         let mut fabric = Fabric::new(rank, size, mailbox);
+        fabric.busy_poll = cfg.busy_poll;
         let mut routes: Vec<LinkRecord> = Vec::new();
         let mut all_links: Vec<Vec<LinkRecord>> = Vec::new();
         let setup = (|| -> Result<()> {
