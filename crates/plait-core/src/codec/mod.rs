@@ -5,8 +5,20 @@
 //! same bytes. Non-finite values: bf16 and fp16 keep NaN and +-inf (fp16 turns values beyond
 //! 65504 into inf); an int8 block containing NaN or inf decodes to NaN for the whole block,
 //! so a poisoned gradient is never silently turned into a finite one.
+//!
+//! The definitions are the scalar loops kept in `reference.rs` (the bf16/fp16 conversions of
+//! the `half` crate; int8 as described above). The loops in `fast.rs` are vectorised versions
+//! of them, tested to give the same bits for every input on both the AVX2 and the baseline
+//! instantiation; byte buffers may be misaligned. On the receive side, [`decode_add_into`] and
+//! [`decode_add_from`] fuse decoding with a Sum reduce, so no decoded temporary is needed.
 
-use half::{bf16, f16};
+mod fast;
+#[cfg(test)]
+mod reference;
+#[cfg(test)]
+mod equivalence;
+#[cfg(test)]
+mod bench;
 
 pub const INT8_BLOCK: usize = 256;
 
@@ -49,84 +61,91 @@ impl Wire {
     }
 }
 
-fn read_f32(b: &[u8], i: usize) -> f32 {
-    f32::from_le_bytes(b[4 * i..4 * i + 4].try_into().unwrap())
-}
-
 /// Encodes f32 values (little-endian bytes `src`) into `out` (`wire.encoded_len` bytes).
 pub fn encode(wire: Wire, src: &[u8], out: &mut [u8]) {
     let n = src.len() / 4;
     debug_assert_eq!(out.len(), wire.encoded_len(n));
-    match wire {
-        Wire::Native => out.copy_from_slice(&src[..n * 4]),
-        Wire::Bf16 => {
-            for i in 0..n {
-                out[2 * i..2 * i + 2].copy_from_slice(&bf16::from_f32(read_f32(src, i)).to_le_bytes());
-            }
-        }
-        Wire::F16 => {
-            for i in 0..n {
-                out[2 * i..2 * i + 2].copy_from_slice(&f16::from_f32(read_f32(src, i)).to_le_bytes());
-            }
-        }
-        Wire::Int8 => {
-            let mut o = 0;
-            for start in (0..n).step_by(INT8_BLOCK) {
-                let end = (start + INT8_BLOCK).min(n);
-                let mut max = 0.0f32;
-                let mut finite = true;
-                for i in start..end {
-                    let v = read_f32(src, i);
-                    finite &= v.is_finite();
-                    max = max.max(v.abs());
-                }
-                let scale = if finite { max / 127.0 } else { f32::NAN };
-                out[o..o + 4].copy_from_slice(&scale.to_le_bytes());
-                o += 4;
-                for i in start..end {
-                    let q = if scale > 0.0 { (read_f32(src, i) / scale).round().clamp(-127.0, 127.0) as i8 } else { 0 };
-                    out[o] = q as u8;
-                    o += 1;
-                }
-            }
-        }
+    let (src, out) = (&src[..n * 4], &mut out[..wire.encoded_len(n)]);
+    #[cfg(target_arch = "x86_64")]
+    if avx2_f16c() {
+        // SAFETY: the CPU has the features `x86_encode` is compiled for.
+        return unsafe { x86_encode(wire, src, out) };
     }
+    fast::encode::<false>(wire, src, out)
 }
 
 /// Decodes `src` (as produced by `encode`) into f32 little-endian bytes `out`.
 pub fn decode(wire: Wire, src: &[u8], out: &mut [u8]) {
     let n = out.len() / 4;
     debug_assert_eq!(src.len(), wire.encoded_len(n));
-    let mut put = |i: usize, v: f32| out[4 * i..4 * i + 4].copy_from_slice(&v.to_le_bytes());
-    match wire {
-        Wire::Native => {
-            for i in 0..n {
-                put(i, read_f32(src, i));
-            }
-        }
-        Wire::Bf16 => {
-            for i in 0..n {
-                put(i, bf16::from_le_bytes([src[2 * i], src[2 * i + 1]]).to_f32());
-            }
-        }
-        Wire::F16 => {
-            for i in 0..n {
-                put(i, f16::from_le_bytes([src[2 * i], src[2 * i + 1]]).to_f32());
-            }
-        }
-        Wire::Int8 => {
-            let mut o = 0;
-            for start in (0..n).step_by(INT8_BLOCK) {
-                let end = (start + INT8_BLOCK).min(n);
-                let scale = f32::from_le_bytes(src[o..o + 4].try_into().unwrap());
-                o += 4;
-                for i in start..end {
-                    put(i, (src[o] as i8) as f32 * scale);
-                    o += 1;
-                }
-            }
-        }
+    let src = &src[..wire.encoded_len(n)];
+    with_decoded(wire, src, n, &mut fast::Store(out));
+}
+
+/// Sum-reduces an encoded payload into f32 little-endian bytes: `dst[i] = dst[i] + decode(src)[i]`.
+///
+/// The same bits as `decode` into a temporary followed by
+/// `kernels::reduce_into(dst, tmp, DType::F32, ReduceOp::Sum)` (one f32 addition per element,
+/// no temporary), with one refinement: when both operands are NaN the result is always the
+/// decoded NaN, quieted, where the kernels return either depending on which of their loops
+/// handled the element. Sum only: compression is only used for sum and avg allreduces (avg
+/// divides once at the end, after the last reduce). `dst.len() / 4` elements; `src` must be
+/// `wire.encoded_len` of that many.
+pub fn decode_add_into(wire: Wire, src: &[u8], dst: &mut [u8]) {
+    let n = dst.len() / 4;
+    debug_assert_eq!(src.len(), wire.encoded_len(n));
+    let src = &src[..wire.encoded_len(n)];
+    with_decoded(wire, src, n, &mut fast::AddInto(dst));
+}
+
+/// Sum of a buffer and an encoded payload into a third: `dst[i] = with[i] + decode(src)[i]`, all
+/// f32 little-endian bytes.
+///
+/// The same bits as `decode` into a temporary followed by
+/// `kernels::reduce_from(dst, with, tmp, DType::F32, ReduceOp::Sum)`, without the temporary and
+/// with the NaN + NaN refinement of [`decode_add_into`]. Sum only, as there. `dst.len() / 4`
+/// elements; `with` must be as long as `dst` and must not overlap it (the borrow rules ensure
+/// that for safe callers); `src` must be `wire.encoded_len` of that many.
+pub fn decode_add_from(wire: Wire, src: &[u8], with: &[u8], dst: &mut [u8]) {
+    let n = dst.len() / 4;
+    debug_assert_eq!(src.len(), wire.encoded_len(n));
+    debug_assert_eq!(with.len(), dst.len());
+    let (src, with) = (&src[..wire.encoded_len(n)], &with[..n * 4]);
+    with_decoded(wire, src, n, &mut fast::AddFrom { with, dst });
+}
+
+/// Runs `fast::decode` with the best instantiation for this CPU. `sink` is generic, so each
+/// public function gets its own fully inlined loop.
+#[inline(always)]
+fn with_decoded(wire: Wire, src: &[u8], n: usize, sink: &mut impl fast::Sink) {
+    #[cfg(target_arch = "x86_64")]
+    if avx2_f16c() {
+        // SAFETY: the CPU has the features `x86_decode` is compiled for.
+        return unsafe { x86_decode(wire, src, n, sink) };
     }
+    fast::decode::<false>(wire, src, n, sink)
+}
+
+#[cfg(target_arch = "x86_64")]
+fn avx2_f16c() -> bool {
+    #[cfg(test)]
+    if equivalence::BASELINE.get() {
+        return false;
+    }
+    // Cached by std after the first call: one relaxed load.
+    std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("f16c")
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,f16c")]
+unsafe fn x86_encode(wire: Wire, src: &[u8], out: &mut [u8]) {
+    fast::encode::<true>(wire, src, out)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,f16c")]
+unsafe fn x86_decode(wire: Wire, src: &[u8], n: usize, sink: &mut impl fast::Sink) {
+    fast::decode::<true>(wire, src, n, sink)
 }
 
 #[cfg(test)]
