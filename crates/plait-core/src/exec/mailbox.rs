@@ -406,6 +406,16 @@ fn land_bytes(p: &Posted, wire_bytes: &[u8]) {
     }
     match &p.landing {
         Landing::Copy { dst } => codec::decode(p.wire, wire_bytes, unsafe { super::bytes_mut(*dst, p.len) }),
+        Landing::Reduce { dst, with, dtype, op, lock } if *dtype == DType::F32 && op.combiner() == ReduceOp::Sum => {
+            // Decoded and added in one pass, no temporary.
+            let _guard = lock.lock();
+            let d = unsafe { super::bytes_mut(*dst, p.len) };
+            if std::ptr::eq(*dst as *const u8, *with) {
+                codec::decode_add_into(p.wire, wire_bytes, d);
+            } else {
+                codec::decode_add_from(p.wire, wire_bytes, unsafe { super::bytes(*with, p.len) }, d);
+            }
+        }
         Landing::Reduce { .. } => DECODE_TMP.with(|t| {
             let mut t = t.borrow_mut();
             t.resize(p.len, 0);
