@@ -42,6 +42,16 @@ pub enum Landing {
     /// `dst = with (+) payload`; `with` may equal `dst` (accumulate). `lock` serialises
     /// accumulations into the same destination by different receiver threads.
     Reduce { dst: *mut u8, with: *const u8, dtype: DType, op: ReduceOp, lock: Arc<Mutex<()>> },
+    /// Several small transfers of one step from the same peer, sent as one frame: the payload
+    /// is their wire bytes back to back, in ordinal order.
+    Bundle(Vec<Part>),
+}
+
+/// One transfer inside a bundle: where it lands, its size there and on the wire.
+pub struct Part {
+    pub landing: Landing,
+    pub len: usize,
+    pub wire_len: usize,
 }
 
 pub struct Posted {
@@ -397,44 +407,51 @@ fn land_from_memory(peer: usize, h: &FrameHeader, data: &[u8], p: &Posted) -> Re
 
 /// Puts a whole (wire-encoded) payload in its landing place: decoded, then copied or reduced.
 fn land_bytes(p: &Posted, wire_bytes: &[u8]) {
-    if p.wire == Wire::Native {
-        match &p.landing {
-            Landing::Copy { dst } => unsafe { super::bytes_mut(*dst, p.len) }.copy_from_slice(wire_bytes),
-            Landing::Reduce { .. } => reduce_landing(p, wire_bytes),
+    land_part(&p.landing, p.len, p.wire, wire_bytes);
+}
+
+fn land_part(landing: &Landing, len: usize, wire: Wire, wire_bytes: &[u8]) {
+    match landing {
+        Landing::Bundle(parts) => {
+            let mut at = 0;
+            for part in parts {
+                land_part(&part.landing, part.len, wire, &wire_bytes[at..at + part.wire_len]);
+                at += part.wire_len;
+            }
         }
-        return;
-    }
-    match &p.landing {
-        Landing::Copy { dst } => codec::decode(p.wire, wire_bytes, unsafe { super::bytes_mut(*dst, p.len) }),
+        Landing::Copy { dst } if wire == Wire::Native => unsafe { super::bytes_mut(*dst, len) }.copy_from_slice(wire_bytes),
+        Landing::Copy { dst } => codec::decode(wire, wire_bytes, unsafe { super::bytes_mut(*dst, len) }),
+        Landing::Reduce { .. } if wire == Wire::Native => reduce_landing(landing, len, wire_bytes),
         Landing::Reduce { dst, with, dtype, op, lock } if *dtype == DType::F32 && op.combiner() == ReduceOp::Sum => {
             // Decoded and added in one pass, no temporary.
             let _guard = lock.lock();
-            let d = unsafe { super::bytes_mut(*dst, p.len) };
+            let d = unsafe { super::bytes_mut(*dst, len) };
             if std::ptr::eq(*dst as *const u8, *with) {
-                codec::decode_add_into(p.wire, wire_bytes, d);
+                codec::decode_add_into(wire, wire_bytes, d);
             } else {
-                codec::decode_add_from(p.wire, wire_bytes, unsafe { super::bytes(*with, p.len) }, d);
+                codec::decode_add_from(wire, wire_bytes, unsafe { super::bytes(*with, len) }, d);
             }
         }
         Landing::Reduce { .. } => DECODE_TMP.with(|t| {
             let mut t = t.borrow_mut();
-            t.resize(p.len, 0);
-            codec::decode(p.wire, wire_bytes, &mut t[..]);
-            reduce_landing(p, &t[..]);
+            t.resize(len, 0);
+            codec::decode(wire, wire_bytes, &mut t[..]);
+            reduce_landing(landing, len, &t[..]);
         }),
     }
 }
 
-fn reduce_landing(p: &Posted, incoming: &[u8]) {
-    if let Landing::Reduce { dst, with, dtype, op, lock } = &p.landing {
+fn reduce_landing(landing: &Landing, len: usize, incoming: &[u8]) {
+    if let Landing::Reduce { dst, with, dtype, op, lock } = landing {
         let _guard = lock.lock();
         if std::ptr::eq(*dst as *const u8, *with) {
-            let d = unsafe { super::bytes_mut(*dst, p.len) };
+            let d = unsafe { super::bytes_mut(*dst, len) };
             kernels::reduce_into(d, incoming, *dtype, *op);
         } else {
-            let d = unsafe { super::bytes_mut(*dst, p.len) };
-            let w = unsafe { super::bytes(*with, p.len) };
+            let d = unsafe { super::bytes_mut(*dst, len) };
+            let w = unsafe { super::bytes(*with, len) };
             kernels::reduce_from(d, w, incoming, *dtype, *op);
         }
     }
 }
+

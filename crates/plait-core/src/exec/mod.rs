@@ -20,7 +20,7 @@ use crate::sched::{Buf, ChunkRef, Collective, LocalOp, Schedule};
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
 use fabric::Fabric;
 use layout::Layout;
-use mailbox::{Expect, Landing, Posted};
+use mailbox::{Expect, Landing, Part, Posted};
 use parking_lot::Mutex;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -283,11 +283,12 @@ impl Run<'_> {
                 st.step[s] += 1;
                 continue;
             };
-            let mut ordinals = vec![(0u32, 0u32); self.fabric.size];
+            // Per peer, in ordinal order: the transfers of this step that segment `s` has.
+            let mut recvs: Vec<Vec<(u32, Part, usize)>> = (0..self.fabric.size).map(|_| Vec::new()).collect();
+            let mut ordinal = vec![0u32; self.fabric.size];
             for r in &step.recvs {
                 let peer = r.peer as usize;
-                let ordinal = ordinals[peer].1;
-                ordinals[peer].1 += 1;
+                ordinal[peer] += 1;
                 let Some((dst, len, elems)) = self.seg_ptr(r.dst, s)? else { continue };
                 let landing = match r.reduce_with {
                     None => Landing::Copy { dst },
@@ -296,66 +297,74 @@ impl Run<'_> {
                         Landing::Reduce { dst, with, dtype: self.spec.dtype, op: self.spec.op.combiner(), lock: self.locks.clone() }
                     }
                 };
-                st.pending[s].push((peer, false));
-                st.outstanding += 1;
-                let key = (peer, FrameKind::Data as u8, self.spec.seq, k as u32, s as u32, ordinal);
-                let wire_len = match self.spec.wire {
-                    Wire::Native => len,
-                    wire => wire.encoded_len(len / 4),
-                };
-                self.fabric.mailbox.post(key, Posted {
-                    landing,
-                    len,
-                    wire: self.spec.wire,
-                    expect: self.expect(elems, wire_len),
-                    op_id: self.op_id,
-                    token: s as u32,
-                    events: tx.clone(),
-                });
+                recvs[peer].push((ordinal[peer] - 1, Part { landing, len, wire_len: self.wire_len(len) }, elems));
             }
+            for (peer, parts) in recvs.into_iter().enumerate() {
+                for (first, part, elems) in bundled(parts) {
+                    st.pending[s].push((peer, false));
+                    st.outstanding += 1;
+                    let key = (peer, FrameKind::Data as u8, self.spec.seq, k as u32, s as u32, first);
+                    self.fabric.mailbox.post(key, Posted {
+                        expect: self.expect(elems, part.wire_len),
+                        landing: part.landing,
+                        len: part.len,
+                        wire: self.spec.wire,
+                        op_id: self.op_id,
+                        token: s as u32,
+                        events: tx.clone(),
+                    });
+                }
+            }
+            let mut sends: Vec<Vec<(u32, (*const u8, usize), usize)>> = (0..self.fabric.size).map(|_| Vec::new()).collect();
+            let mut ordinal = vec![0u32; self.fabric.size];
             for snd in &step.sends {
                 let peer = snd.peer as usize;
-                let ordinal = ordinals[peer].0;
-                ordinals[peer].0 += 1;
+                ordinal[peer] += 1;
                 let Some((src, len, elems)) = self.seg_ptr(snd.src, s)? else { continue };
-                let (src, len) = match self.spec.wire {
+                let wire_bytes = match self.spec.wire {
                     Wire::Native => (src as *const u8, len),
                     wire => self.encode_once(s, snd.src, src, len, wire),
                 };
-                let header = FrameHeader {
-                    kind: FrameKind::Data as u8,
-                    coll: self.spec.coll.code(),
-                    dtype: self.spec.dtype as u8,
-                    op: self.spec.op_code(),
-                    seq: self.spec.seq,
-                    step: k as u32,
-                    segment: s as u32,
-                    ordinal,
-                    root: self.spec.root as u32,
-                    count: elems as u64,
-                    nbytes: len as u64,
-                    sched_id: self.spec.sched_id,
-                    layout_id: self.spec.layout_id,
-                };
-                st.pending[s].push((peer, true));
-                st.outstanding += 1;
-                let tx = tx.clone();
-                let what = self.spec.what.clone();
-                let addr = self.fabric.peer_addr(peer);
-                self.fabric.link(peer).send(SendReq {
-                    header,
-                    data: SendBuf { ptr: src, len },
-                    done: Some(Box::new(move |r| {
-                        let result = r.map_err(|e| PlaitError::Peer {
-                            op: what.to_string(),
-                            peer,
-                            addr,
-                            what: format!("could not be sent to: {e}"),
-                            waited: Duration::ZERO,
-                        });
-                        let _ = tx.send(Event { token: s as u32, result, source: peer });
-                    })),
-                });
+                sends[peer].push((ordinal[peer] - 1, wire_bytes, elems));
+            }
+            for (peer, parts) in sends.into_iter().enumerate() {
+                for (first, (src, len), elems, owned) in bundled_sends(parts) {
+                    let header = FrameHeader {
+                        kind: FrameKind::Data as u8,
+                        coll: self.spec.coll.code(),
+                        dtype: self.spec.dtype as u8,
+                        op: self.spec.op_code(),
+                        seq: self.spec.seq,
+                        step: k as u32,
+                        segment: s as u32,
+                        ordinal: first,
+                        root: self.spec.root as u32,
+                        count: elems as u64,
+                        nbytes: len as u64,
+                        sched_id: self.spec.sched_id,
+                        layout_id: self.spec.layout_id,
+                    };
+                    st.pending[s].push((peer, true));
+                    st.outstanding += 1;
+                    let tx = tx.clone();
+                    let what = self.spec.what.clone();
+                    let addr = self.fabric.peer_addr(peer);
+                    self.fabric.link(peer).send(SendReq {
+                        header,
+                        data: SendBuf { ptr: src, len },
+                        done: Some(Box::new(move |r| {
+                            drop(owned);
+                            let result = r.map_err(|e| PlaitError::Peer {
+                                op: what.to_string(),
+                                peer,
+                                addr,
+                                what: format!("could not be sent to: {e}"),
+                                waited: Duration::ZERO,
+                            });
+                            let _ = tx.send(Event { token: s as u32, result, source: peer });
+                        })),
+                    });
+                }
             }
             if !st.pending[s].is_empty() {
                 return Ok(());
@@ -395,6 +404,14 @@ impl Run<'_> {
             } else {
                 i += 1;
             }
+        }
+    }
+
+    /// Bytes on the wire of `len` bytes of this operation's data.
+    fn wire_len(&self, len: usize) -> usize {
+        match self.spec.wire {
+            Wire::Native => len,
+            wire => wire.encoded_len(len / 4),
         }
     }
 
@@ -499,6 +516,45 @@ impl Run<'_> {
         }
         with_waited(first.for_op(&self.spec.what), start.elapsed())
     }
+}
+
+/// Transfers of one step between the same two ranks travel as one frame when they are small
+/// together: one message instead of several (a oneshot allreduce of n blocks would otherwise
+/// send n frames to every peer). Both sides decide from the same sizes, so they agree; the
+/// frame's element count is the sum of its parts', so a disagreement is a mismatch, not garbage.
+const BUNDLE_MAX: usize = 64 * 1024;
+
+fn bundle_ok(wire_lens: impl Iterator<Item = usize> + Clone) -> bool {
+    wire_lens.clone().count() > 1 && wire_lens.sum::<usize>() <= BUNDLE_MAX
+}
+
+/// The receives from one peer: (first ordinal, landing, whole-chunk elements) per frame.
+fn bundled(parts: Vec<(u32, Part, usize)>) -> Vec<(u32, Part, usize)> {
+    if !bundle_ok(parts.iter().map(|(_, p, _)| p.wire_len)) {
+        return parts;
+    }
+    let first = parts[0].0;
+    let (len, wire_len, elems) = parts.iter().fold((0, 0, 0), |a, (_, p, e)| (a.0 + p.len, a.1 + p.wire_len, a.2 + e));
+    let landing = Landing::Bundle(parts.into_iter().map(|(_, p, _)| p).collect());
+    vec![(first, Part { landing, len, wire_len }, elems)]
+}
+
+/// A bundle's payload, owned until its send completes.
+struct OwnedPayload(#[allow(dead_code)] Vec<u8>);
+
+/// The sends to one peer: (first ordinal, wire bytes, elements, payload to keep alive) per frame.
+#[allow(clippy::type_complexity)]
+fn bundled_sends(parts: Vec<(u32, (*const u8, usize), usize)>) -> Vec<(u32, (*const u8, usize), usize, Option<OwnedPayload>)> {
+    if !bundle_ok(parts.iter().map(|(_, (_, len), _)| *len)) {
+        return parts.into_iter().map(|(o, b, e)| (o, b, e, None)).collect();
+    }
+    let mut payload = Vec::with_capacity(parts.iter().map(|(_, (_, len), _)| len).sum());
+    for (_, (ptr, len), _) in &parts {
+        payload.extend_from_slice(unsafe { bytes(*ptr as *mut u8, *len) });
+    }
+    let elems = parts.iter().map(|(_, _, e)| e).sum();
+    let data = (payload.as_ptr(), payload.len());
+    vec![(parts[0].0, data, elems, Some(OwnedPayload(payload)))]
 }
 
 /// The next event of an operation, waiting until `until`. While callers read the links (a
