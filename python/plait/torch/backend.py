@@ -39,6 +39,11 @@ _OPS = {
 if hasattr(_R, "PREMUL_SUM"):
     _OPS[_R.PREMUL_SUM] = "premul_sum"
 
+# What the small-allreduce path handles; anything else takes the general path.
+_SMALL_DTYPES = {dt: name for dt, name in stg.CORE_DTYPE.items() if name != "bool"}
+_SMALL_OPS = {_R.SUM: "sum", _R.AVG: "avg", _R.MIN: "min", _R.MAX: "max", _R.PRODUCT: "prod"}
+_FLOATS = frozenset({"f16", "bf16", "f32", "f64"})
+
 _TAG_MASK = (1 << 64) - 1
 _GROUPS = weakref.WeakSet()  # live groups, so that interpreter exit can close them
 
@@ -281,11 +286,45 @@ class _Methods:
     # -- allreduce -----------------------------------------------------------------------------
 
     def allreduce(self, tensors, opts=None, *rest):
+        if not rest and type(tensors) is list and len(tensors) == 1:
+            w = self._pl_small_allreduce(tensors[0], opts)
+            if w is not None:
+                return w
         opts = _opts(opts, dist.AllreduceOptions, rest, "reduceOp")
         if isinstance(tensors, (list, tuple)) and len(tensors) == 1 and getattr(tensors[0], "layout", None) == torch.sparse_coo:
             return self._pl_tensor_work(lambda: self._pl_sparse_allreduce(tensors[0], opts))
         t = _one(tensors, "all_reduce")
         return self._pl_tensor_work(lambda: self._pl_allreduce([t], opts, "all_reduce"))
+
+    def _pl_small_allreduce(self, t, opts):
+        """The common small blocking call (one dense contiguous CPU tensor, a plain op, no
+        compression or staging) in as few steps as possible: on a machine whose cores every
+        rank shares, this Python is a good part of a small allreduce's cost. None: not that
+        case, take the general path (which gives the same result)."""
+        g = self._g
+        if (g.closed or type(opts) is not dist.AllreduceOptions or opts.asyncOp is not False
+                or not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.device.type != "cpu"
+                or not t.is_contiguous() or g.opts.force_staging or g.opts.inline == "never"):
+            return None
+        dt = _SMALL_DTYPES.get(t.dtype)
+        opname = _SMALL_OPS.get(getattr(opts.reduceOp, "op", None))
+        if dt is None or opname is None or (opname == "avg" and dt not in _FLOATS):
+            return None
+        nbytes = t.numel() * t.element_size()
+        if nbytes > g.opts.inline_bytes or not g.idle() or _profiling():
+            return None
+        if dt == "f32":
+            if g.wire_name is not None:
+                return None
+            wire = "native"  # the group's choice is explicit: PLAIT_WIRE_DTYPE never applies
+        elif dt == "f64" and g.wire is not None:
+            return None
+        else:
+            wire = None
+        p = t.data_ptr() if nbytes else 0
+        w = _call(lambda: g.comm.collective("allreduce", p, nbytes, p, nbytes, dt, opname, timeout=_timeout(opts),
+                                            inline=True, wire=wire), g)
+        return g.work([w], [t], None, "all_reduce", (t,))
 
     def _pl_sparse_allreduce(self, t, opts):
         """SUM of sparse COO tensors (what DDP does with sparse gradients): every rank gathers the
