@@ -7,12 +7,15 @@
 //!   (the receiver's, then the caller's). On an oversubscribed machine that hand-off is most of
 //!   a small allreduce's time.
 //!
-//! Whoever reads holds `frame_lock` for whole frames, so the stream never interleaves. In
+//! Whoever reads holds `frame_lock` for whole frames, so the stream never interleaves. Reads go
+//! through a small buffer per link, so a small frame costs one `recv` (header and payload
+//! together, often with the next frame), and "is there more?" is a non-blocking `recv` that
+//! also reads it; large payloads bypass the buffer and land in the destination directly. In
 //! caller mode the receiver thread parks and only drains what is waiting once per heartbeat
 //! period, so heartbeats, Abort frames and closed connections are still noticed while the
 //! caller is busy elsewhere.
 
-use super::frame::{FrameHeader, FrameKind};
+use super::frame::{FrameHeader, FrameKind, HEADER_LEN};
 use super::peer::Inbox;
 use parking_lot::{Condvar, Mutex};
 use std::io::{self, Read};
@@ -27,7 +30,7 @@ pub(super) struct ReadSide {
     stream: TcpStream,
     inbox: Arc<dyn Inbox>,
     heartbeat: Duration,
-    frame_lock: Mutex<()>,
+    frame_lock: Mutex<RxBuf>,
     caller_mode: AtomicBool,
     park: Mutex<()>,
     unpark: Condvar,
@@ -64,7 +67,7 @@ impl ReadSide {
             stream,
             inbox,
             heartbeat,
-            frame_lock: Mutex::new(()),
+            frame_lock: Mutex::new(RxBuf { data: vec![0; RX_BUF], start: 0, end: 0 }),
             caller_mode: AtomicBool::new(false),
             park: Mutex::new(()),
             unpark: Condvar::new(),
@@ -125,8 +128,8 @@ impl ReadSide {
                 }
                 if self.caller_mode.load(Ordering::Acquire) {
                     // Nobody may be waiting on this link: keep liveness and control frames flowing.
-                    if let Some(_g) = self.frame_lock.try_lock() {
-                        self.read_waiting(None);
+                    if let Some(mut rx) = self.frame_lock.try_lock() {
+                        self.read_waiting(&mut rx, None);
                     }
                 }
                 continue;
@@ -138,48 +141,70 @@ impl ReadSide {
                 unsafe { libc::read(self.kick.as_raw_fd(), &mut word as *mut u64 as *mut libc::c_void, 8) };
             }
             if sock {
-                let _g = self.frame_lock.lock();
-                // A caller may have read the frame while this thread waited for the lock.
-                if readable_now(self.fd()) {
-                    if let Err(e) = self.read_frame(None) {
-                        self.end(e);
-                    }
-                }
+                // A caller may have read the frame while this thread waited for the lock: the
+                // reads below do not block when nothing is there.
+                let mut rx = self.frame_lock.lock();
+                self.read_waiting(&mut rx, None);
             }
         }
     }
 
-    /// Reads every frame already waiting (under `frame_lock`, held by the caller). A frame
-    /// begun is read to its end, waiting until `deadline` at most for the rest of it.
+    /// Reads every frame already waiting (the caller holds `frame_lock`: `rx`). A frame begun
+    /// is read to its end, waiting until `deadline` at most for the rest of it (None: blocking).
     /// Returns false when the link ended.
-    pub fn read_waiting(&self, deadline: Option<Instant>) -> bool {
-        while !self.ended.load(Ordering::Acquire) && !self.deaf.load(Ordering::Acquire) && readable_now(self.fd()) {
-            if let Err(e) = self.read_frame(deadline) {
+    fn read_waiting(&self, rx: &mut RxBuf, deadline: Option<Instant>) -> bool {
+        loop {
+            if self.ended.load(Ordering::Acquire) || self.deaf.load(Ordering::Acquire) {
+                return false;
+            }
+            if rx.len() < HEADER_LEN {
+                match fill(self.fd(), rx, Wait::No) {
+                    Ok(0) => return true,
+                    Ok(_) => continue,
+                    Err(e) => {
+                        self.end(e);
+                        return false;
+                    }
+                }
+            }
+            if let Err(e) = self.read_frame(rx, deadline) {
                 self.end(e);
                 return false;
             }
         }
-        !self.ended.load(Ordering::Acquire)
     }
 
     /// Reads what is waiting on behalf of a caller, taking the frame lock by `deadline`.
     pub fn caller_read(&self, deadline: Instant) -> bool {
         match self.frame_lock.try_lock_until(deadline) {
-            Some(_g) => self.read_waiting(Some(deadline)),
+            Some(mut rx) => self.read_waiting(&mut rx, Some(deadline)),
             None => true,
         }
     }
 
-    fn read_frame(&self, deadline: Option<Instant>) -> io::Result<()> {
-        let mut r = FdReader { fd: self.fd(), deadline };
-        let header = FrameHeader::read_from(&mut r)?;
+    /// Whether a whole frame header is already buffered (then `poll` would not say so).
+    pub fn has_buffered_header(&self) -> bool {
+        self.frame_lock.try_lock().is_some_and(|rx| rx.len() >= HEADER_LEN)
+    }
+
+    fn read_frame(&self, rx: &mut RxBuf, deadline: Option<Instant>) -> io::Result<()> {
+        let wait = match deadline {
+            Some(d) => Wait::Until(d),
+            None => Wait::Forever,
+        };
+        while rx.len() < HEADER_LEN {
+            fill(self.fd(), rx, wait)?;
+        }
+        let raw: [u8; HEADER_LEN] = rx.data[rx.start..rx.start + HEADER_LEN].try_into().unwrap();
+        rx.start += HEADER_LEN;
+        let header = FrameHeader::decode(&raw)?;
         self.touch();
         match FrameKind::from_u8(header.kind) {
             Some(FrameKind::Heartbeat) => return Ok(()),
             Some(FrameKind::Close) => self.closed_cleanly.store(true, Ordering::Release),
             _ => {}
         }
-        let mut payload = CountingReader { inner: r, left: header.nbytes, side: self };
+        let mut payload = Payload { rx, fd: self.fd(), wait, left: header.nbytes, side: self };
         self.inbox.deliver(self.peer, &header, &mut payload)?;
         if payload.left != 0 {
             // Only a read that failed part-way leaves payload behind: the link went down mid-frame.
@@ -202,59 +227,104 @@ impl ReadSide {
     }
 }
 
-/// Reads from a socket descriptor; with a deadline, never blocks past it (a peer that stops
-/// in the middle of a frame cannot hold the reading thread forever).
-struct FdReader {
-    fd: RawFd,
-    deadline: Option<Instant>,
+/// Bytes read from the socket but not yet consumed: `data[start..end]`.
+pub(super) struct RxBuf {
+    data: Vec<u8>,
+    start: usize,
+    end: usize,
 }
 
-impl Read for FdReader {
-    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        if buf.is_empty() {
-            return Ok(0);
+/// Size of each link's receive buffer; payloads at least this large skip it.
+const RX_BUF: usize = 64 * 1024;
+
+impl RxBuf {
+    fn len(&self) -> usize {
+        self.end - self.start
+    }
+}
+
+#[derive(Clone, Copy)]
+enum Wait {
+    /// Return at once when nothing is there (`Ok(0)`).
+    No,
+    Until(Instant),
+    Forever,
+}
+
+/// One `recv` into `buf`: Ok(0) only for `Wait::No` with nothing there; end of stream is an
+/// error (the peer closed the connection). Never blocks past a `Wait::Until` deadline.
+fn recv_some(fd: RawFd, buf: &mut [u8], wait: Wait) -> io::Result<usize> {
+    let flags = if matches!(wait, Wait::Forever) { 0 } else { libc::MSG_DONTWAIT };
+    loop {
+        // SAFETY: reads at most buf.len() bytes into buf.
+        let n = unsafe { libc::recv(fd, buf.as_mut_ptr() as *mut libc::c_void, buf.len(), flags) };
+        if n > 0 {
+            return Ok(n as usize);
         }
-        let flags = if self.deadline.is_some() { libc::MSG_DONTWAIT } else { 0 };
-        loop {
-            // SAFETY: reads at most buf.len() bytes into buf.
-            let n = unsafe { libc::recv(self.fd, buf.as_mut_ptr() as *mut libc::c_void, buf.len(), flags) };
-            if n >= 0 {
-                return Ok(n as usize);
-            }
-            let err = io::Error::last_os_error();
-            match err.kind() {
-                io::ErrorKind::Interrupted => continue,
-                io::ErrorKind::WouldBlock => {
-                    let deadline = self.deadline.expect("blocking reads do not return EAGAIN");
-                    let left = deadline.saturating_duration_since(Instant::now());
-                    if left.is_zero() {
-                        return Err(io::Error::new(io::ErrorKind::TimedOut, "the peer stopped sending in the middle of a message"));
-                    }
-                    poll_two(self.fd, -1, Some(left));
+        if n == 0 {
+            return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "the peer closed the connection"));
+        }
+        let err = io::Error::last_os_error();
+        match (err.kind(), wait) {
+            (io::ErrorKind::Interrupted, _) => continue,
+            (io::ErrorKind::WouldBlock, Wait::No) => return Ok(0),
+            (io::ErrorKind::WouldBlock, Wait::Until(deadline)) => {
+                let left = deadline.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    return Err(io::Error::new(io::ErrorKind::TimedOut, "the peer stopped sending in the middle of a message"));
                 }
-                _ => return Err(err),
+                poll_two(fd, -1, Some(left));
             }
+            _ => return Err(err),
         }
     }
 }
 
-/// Reads at most the frame's payload, refreshing the liveness clock as bytes arrive.
-struct CountingReader<'a> {
-    inner: FdReader,
+/// Reads more bytes into the buffer (moving what is left to its front when needed).
+fn fill(fd: RawFd, rx: &mut RxBuf, wait: Wait) -> io::Result<usize> {
+    if rx.start == rx.end {
+        rx.start = 0;
+        rx.end = 0;
+    } else if rx.end == rx.data.len() {
+        rx.data.copy_within(rx.start..rx.end, 0);
+        rx.end -= rx.start;
+        rx.start = 0;
+    }
+    let n = recv_some(fd, &mut rx.data[rx.end..], wait)?;
+    rx.end += n;
+    Ok(n)
+}
+
+/// A frame's payload: buffered bytes first, then the socket (directly into the destination
+/// for large reads), refreshing the liveness clock as bytes arrive.
+struct Payload<'a> {
+    rx: &'a mut RxBuf,
+    fd: RawFd,
+    wait: Wait,
     left: u64,
     side: &'a ReadSide,
 }
 
-impl Read for CountingReader<'_> {
+impl Read for Payload<'_> {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        if self.left == 0 {
+        if self.left == 0 || buf.is_empty() {
             return Ok(0);
         }
         let max = buf.len().min(self.left as usize);
-        let n = self.inner.read(&mut buf[..max])?;
-        if n == 0 {
-            return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "peer closed mid-frame"));
-        }
+        let n = if self.rx.len() > 0 {
+            let n = max.min(self.rx.len());
+            buf[..n].copy_from_slice(&self.rx.data[self.rx.start..self.rx.start + n]);
+            self.rx.start += n;
+            n
+        } else if max >= RX_BUF / 2 {
+            recv_some(self.fd, &mut buf[..max], self.wait)?
+        } else {
+            fill(self.fd, self.rx, self.wait)?;
+            let n = max.min(self.rx.len());
+            buf[..n].copy_from_slice(&self.rx.data[self.rx.start..self.rx.start + n]);
+            self.rx.start += n;
+            n
+        };
         self.left -= n as u64;
         self.side.touch();
         Ok(n)
@@ -284,16 +354,19 @@ fn poll_two(a: RawFd, b: RawFd, wait: Option<Duration>) -> (bool, bool) {
     (fds[0].revents != 0, n == 2 && fds[1].revents != 0)
 }
 
-fn readable_now(fd: RawFd) -> bool {
-    poll_two(fd, -1, Some(Duration::ZERO)).0
-}
-
 /// Waits up to `wait` until one of `sides` has something to read, then reads what every ready
 /// one has waiting (frames begun are finished by `deadline`). Returns whether anything was read.
 pub(super) fn caller_progress(sides: &[&ReadSide], wait: Duration, deadline: Instant) -> bool {
     if sides.is_empty() {
         std::thread::sleep(wait.min(Duration::from_millis(1)));
         return false;
+    }
+    // Frames already buffered (read along with an earlier one) make no socket readable.
+    if sides.iter().any(|s| s.has_buffered_header()) {
+        for side in sides {
+            side.caller_read(deadline);
+        }
+        return true;
     }
     let mut fds: Vec<libc::pollfd> = sides.iter().map(|s| libc::pollfd { fd: s.fd(), events: libc::POLLIN, revents: 0 }).collect();
     // SAFETY: fds is a live array of pollfd of the given length.
