@@ -22,6 +22,7 @@ use fabric::Fabric;
 use layout::Layout;
 use mailbox::{Expect, Landing, Part, Posted};
 use parking_lot::Mutex;
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -131,8 +132,6 @@ pub fn run_collective(
     }
     let start = Instant::now();
     let pool = &fabric.mailbox.pool;
-    let mut snapshot = pool.take(output.len);
-    snapshot.copy_from_slice(unsafe { bytes(output.ptr, output.len) });
     let mut scratch = pool.take(sched.scratch_slots * layout.scratch_slot_bytes);
     let run = Run {
         fabric,
@@ -145,6 +144,7 @@ pub fn run_collective(
         op_id: fabric.op_id(),
         locks: Arc::new(Mutex::new(())),
         encoded: Mutex::new(Vec::new()),
+        saved: Mutex::new(Saved { copy: pool.take(output.len), regions: HashMap::new() }),
     };
     let (tx, rx) = crossbeam_channel::unbounded();
     let mut state = State::new(layout.max_nseg(), sched.nsteps());
@@ -166,11 +166,11 @@ pub fn run_collective(
         }
         Err(err) => {
             let err = run.abandon(err, &rx, &mut state, start);
-            unsafe { bytes_mut(output.ptr, output.len) }.copy_from_slice(&snapshot);
+            run.restore_output();
             Err(err)
         }
     };
-    pool.give(snapshot);
+    pool.give(std::mem::take(&mut run.saved.lock().copy));
     pool.give(scratch);
     for (_, _, buf) in run.encoded.lock().drain(..) {
         pool.give(buf);
@@ -209,9 +209,45 @@ struct Run<'a> {
     /// Wire-encoded sends of the current step, per (segment, chunk): encoded once, sent to
     /// every peer unchanged, kept until the step's transfers are done.
     encoded: Mutex<Vec<(usize, ChunkRef, Vec<u8>)>>,
+    /// What the output held where this operation wrote, so a failed operation leaves it as it
+    /// was. Saved region by region just before the first write (not all up front), so the copy
+    /// overlaps the first transfers instead of delaying them.
+    saved: Mutex<Saved>,
+}
+
+struct Saved {
+    copy: Vec<u8>,
+    /// Saved regions of the output: byte offset -> length.
+    regions: HashMap<usize, usize>,
 }
 
 impl Run<'_> {
+    /// Call before anything writes `len` bytes at `ptr`: keeps the output's old contents there
+    /// (no-op for scratch, and for a region already kept).
+    fn save_before_write(&self, ptr: *const u8, len: usize) {
+        let (base, p) = (self.output.ptr as usize, ptr as usize);
+        if len == 0 || p < base || p + len > base + self.output.len {
+            return;
+        }
+        let off = p - base;
+        let mut saved = self.saved.lock();
+        if let Some(&kept) = saved.regions.get(&off) {
+            debug_assert_eq!(kept, len, "output regions of one operation are disjoint segments");
+            return;
+        }
+        saved.copy[off..off + len].copy_from_slice(unsafe { bytes(ptr, len) });
+        saved.regions.insert(off, len);
+    }
+
+    /// Puts back what the output held wherever this operation wrote.
+    fn restore_output(&self) {
+        let saved = self.saved.lock();
+        let out = unsafe { bytes_mut(self.output.ptr, self.output.len) };
+        for (&off, &len) in &saved.regions {
+            out[off..off + len].copy_from_slice(&saved.copy[off..off + len]);
+        }
+    }
+
     /// (pointer, bytes, elements of the whole chunk) of segment `s` of chunk `c`, or None when
     /// the chunk has fewer segments.
     fn seg_ptr(&self, c: ChunkRef, s: usize) -> Result<Option<(*mut u8, usize, usize)>> {
@@ -290,6 +326,7 @@ impl Run<'_> {
                 let peer = r.peer as usize;
                 ordinal[peer] += 1;
                 let Some((dst, len, elems)) = self.seg_ptr(r.dst, s)? else { continue };
+                self.save_before_write(dst, len);
                 let landing = match r.reduce_with {
                     None => Landing::Copy { dst },
                     Some(w) => {
@@ -387,6 +424,7 @@ impl Run<'_> {
         let mut buf = self.fabric.mailbox.pool.take(wire.encoded_len(len / 4));
         codec::encode(wire, unsafe { bytes(src, len) }, &mut buf);
         if c.buf == Buf::Output {
+            self.save_before_write(src, len);
             codec::decode(wire, &buf, unsafe { bytes_mut(src, len) });
         }
         let out = (buf.as_ptr(), buf.len());
@@ -441,6 +479,7 @@ impl Run<'_> {
             if std::ptr::eq(sp, dp) || len == 0 {
                 continue;
             }
+            self.save_before_write(dp, len);
             match l {
                 // Regions of one caller buffer may overlap in place: copy with memmove semantics.
                 LocalOp::Copy { .. } => unsafe { std::ptr::copy(sp, dp, len) },
