@@ -59,13 +59,16 @@ def _loop_until_error(ctx, comm, x, out, iters, what):
 
 # -- a rank dies or stops --------------------------------------------------------------------------
 def kill(ctx):
-    """Parent SIGKILLs args.victim during a 64 MiB allreduce; the others must raise PeerError."""
-    _peer_fault(ctx, BIG, "allreduce 64 MiB while a rank is killed")
+    """Parent SIGKILLs args.victim during a 64 MiB allreduce (args.count elements if given: small
+    ones are read on the calling thread); the others must raise PeerError."""
+    count = ctx.args.get("count", BIG)
+    _peer_fault(ctx, count, f"allreduce {count * 4} B while a rank is killed")
 
 
 def stop(ctx):
     """Parent SIGSTOPs args.victim; the others must raise at the (short) deadline."""
-    _peer_fault(ctx, BIG // 16, "allreduce 4 MiB while a rank is stopped")
+    count = ctx.args.get("count", BIG // 16)
+    _peer_fault(ctx, count, f"allreduce {count * 4} B while a rank is stopped")
 
 
 def _peer_fault(ctx, count, what):
@@ -76,7 +79,8 @@ def _peer_fault(ctx, count, what):
     comm.allreduce(x, out=out)
     ctx.check("warm-up allreduce", None if out[0] == ctx.n * (ctx.n + 1) / 2 else f"got {out[0]}")
     _ready(ctx)
-    _loop_until_error(ctx, comm, x, out, 400, what)
+    # Enough calls to still be looping when the parent strikes (small ones take microseconds).
+    _loop_until_error(ctx, comm, x, out, 400 if count >= 2**20 else 2_000_000, what)
     if ctx.rank == a["victim"]:
         time.sleep(60)  # only reached if the parent failed to kill or stop us
         return

@@ -31,11 +31,14 @@ def _kill_or_stop(sig, victim, marks):
     return control
 
 
-@pytest.mark.parametrize("n,victim", [(3, 1), (4, 0)])
-def test_sigkill_during_allreduce(n, victim):
+# 2**24 floats: 64 MiB, read by the links' receiver threads; 256 floats: 1 KiB, read by the
+# calling thread (caller progress), whose parked receiver threads must not hide the death.
+@pytest.mark.parametrize("n,victim,count", [(3, 1, 2**24), (4, 0, 2**24), (3, 2, 256)])
+def test_sigkill_during_allreduce(n, victim, count):
     deadline = 10.0
     marks = {}
-    res = harness.run_world("cases_faults", n, args={"scenario": "kill", "victim": victim, "timeout": deadline},
+    res = harness.run_world("cases_faults", n,
+                            args={"scenario": "kill", "victim": victim, "timeout": deadline, "count": count},
                             control=_kill_or_stop(signal.SIGKILL, victim, marks), timeout=180)
     survivors = [r for r in range(n) if r != victim]
     res.assert_ok(survivors)
@@ -47,7 +50,7 @@ def test_sigkill_during_allreduce(n, victim):
             continue
         e = errs[0]
         tte = e["t_err"] - marks["t"]
-        harness.note(f"SIGKILL of rank {victim} during 64 MiB allreduce: rank {r} raised {e['type']} "
+        harness.note(f"SIGKILL of rank {victim} during {count * 4} B allreduces: rank {r} raised {e['type']} "
                      f"{tte * 1000:.0f} ms after the kill: {e['msg']}")
         # BrokenError: the failure arrived between two allreduces, so the next call found the
         # communicator already broken (its message carries the cause).
@@ -60,10 +63,12 @@ def test_sigkill_during_allreduce(n, victim):
     assert not problems, "\n".join(problems)
 
 
-def test_sigstop_hits_deadline():
+@pytest.mark.parametrize("count", [2**20, 256])
+def test_sigstop_hits_deadline(count):
     n, victim, deadline = 3, 2, 3.0
     marks = {}
-    res = harness.run_world("cases_faults", n, args={"scenario": "stop", "victim": victim, "timeout": deadline},
+    res = harness.run_world("cases_faults", n,
+                            args={"scenario": "stop", "victim": victim, "timeout": deadline, "count": count},
                             control=_kill_or_stop(signal.SIGSTOP, victim, marks), timeout=180)
     survivors = [r for r in range(n) if r != victim]
     res.assert_ok(survivors)
@@ -76,7 +81,7 @@ def test_sigstop_hits_deadline():
         e = errs[0]
         types.append(e["type"])
         tte = e["t_err"] - marks["t"]
-        harness.note(f"SIGSTOP of rank {victim} (deadline {deadline} s): rank {r} raised {e['type']} "
+        harness.note(f"SIGSTOP of rank {victim} during {count * 4} B allreduces (deadline {deadline} s): rank {r} raised {e['type']} "
                      f"after {tte:.2f} s: {e['msg']}")
         if e["type"] not in ("PlaitTimeoutError", "PeerError", "BrokenError"):
             problems.append(f"rank {r}: {e['type']}: {e['msg']}")
