@@ -242,13 +242,13 @@ def run_wire_check(console, wire, nproc=3, steps=60, batch=96, tail=10):
         table.add_row(str(i), f"{base[i]:.6f}", f"{comp[i]:.6f}", f"{abs(comp[i] - base[i]) / base[i]:.1e}")
     console.print(table)
     end_base, end_comp = sum(base[-tail:]) / tail, sum(comp[-tail:]) / tail
-    noise = 0.02
+    tolerance = 0.02
     rel = abs(end_comp - end_base) / end_base
-    ok = rel <= noise and end_base < 0.5 * base[0] and end_comp < 0.5 * comp[0]
+    ok = rel <= tolerance and end_base < 0.5 * base[0] and end_comp < 0.5 * comp[0]
     console.print(f"mean loss of the last {tail} steps: float32 wire {end_base:.6f}, {wire} wire {end_comp:.6f} "
-                  f"(relative difference {rel:.2%}, tolerance {noise:.0%}; from {base[0]:.4f} at step 0)", highlight=False)
+                  f"(relative difference {rel:.2%}, tolerance {tolerance:.0%}; from {base[0]:.4f} at step 0)", highlight=False)
     console.print(f"[bold green]{wire} wire trains to the same loss" if ok else f"[bold red]{wire} wire: loss differs")
-    return {"ok": ok, "wire": wire, "end_native": end_base, "end_wire": end_comp, "rel_diff": rel, "noise": noise,
+    return {"ok": ok, "wire": wire, "end_native": end_base, "end_wire": end_comp, "rel_diff": rel, "tolerance": tolerance,
             "native": base, "compressed": comp}
 
 

@@ -41,7 +41,7 @@ if hasattr(_R, "PREMUL_SUM"):
 
 # What the small-allreduce path handles; anything else takes the general path.
 _SMALL_DTYPES = {dt: name for dt, name in stg.CORE_DTYPE.items() if name != "bool"}
-_SMALL_OPS = {_R.SUM: "sum", _R.AVG: "avg", _R.MIN: "min", _R.MAX: "max", _R.PRODUCT: "prod"}
+_SMALL_OPS = {op: name for op, name in _OPS.items() if name in ("sum", "avg", "min", "max", "prod")}
 _FLOATS = frozenset({"f16", "bf16", "f32", "f64"})
 
 _TAG_MASK = (1 << 64) - 1

@@ -105,18 +105,18 @@ impl Fabric {
 
     /// Reads, on this thread, frames that arrive within `wait` (see `set_caller_progress`).
     pub fn progress(&self, wait: Duration, frame_deadline: Instant) -> bool {
-        let links: Vec<&PeerLink> = self.links.iter().flatten().map(|l| &**l).collect();
+        let links = || self.links.iter().flatten().map(|l| &**l);
         let spin = self.busy_poll.min(wait);
         if !spin.is_zero() {
             let until = Instant::now() + spin;
             while Instant::now() < until {
-                if crate::net::peer::caller_progress(&links, Duration::ZERO, frame_deadline) {
+                if crate::net::peer::caller_progress(links(), Duration::ZERO, frame_deadline) {
                     return true;
                 }
                 std::hint::spin_loop();
             }
         }
-        crate::net::peer::caller_progress(&links, wait - spin, frame_deadline)
+        crate::net::peer::caller_progress(links(), wait - spin, frame_deadline)
     }
 
     pub fn op_id(&self) -> u64 {

@@ -578,22 +578,20 @@ fn bundled(parts: Vec<(u32, Part, usize)>) -> Vec<(u32, Part, usize)> {
     vec![(first, Part { landing, len, wire_len }, elems)]
 }
 
-/// A bundle's payload, owned until its send completes.
-struct OwnedPayload(#[allow(dead_code)] Vec<u8>);
-
-/// The sends to one peer: (first ordinal, wire bytes, elements, payload to keep alive) per frame.
+/// The sends to one peer: (first ordinal, wire bytes, elements, a bundle's payload to keep
+/// alive until the send completes) per frame.
 #[allow(clippy::type_complexity)]
-fn bundled_sends(parts: Vec<(u32, (*const u8, usize), usize)>) -> Vec<(u32, (*const u8, usize), usize, Option<OwnedPayload>)> {
+fn bundled_sends(parts: Vec<(u32, (*const u8, usize), usize)>) -> Vec<(u32, (*const u8, usize), usize, Option<Vec<u8>>)> {
     if !bundle_ok(parts.iter().map(|(_, (_, len), _)| *len)) {
         return parts.into_iter().map(|(o, b, e)| (o, b, e, None)).collect();
     }
     let mut payload = Vec::with_capacity(parts.iter().map(|(_, (_, len), _)| len).sum());
     for (_, (ptr, len), _) in &parts {
-        payload.extend_from_slice(unsafe { bytes(*ptr as *mut u8, *len) });
+        payload.extend_from_slice(unsafe { bytes(*ptr, *len) });
     }
     let elems = parts.iter().map(|(_, _, e)| e).sum();
     let data = (payload.as_ptr(), payload.len());
-    vec![(parts[0].0, data, elems, Some(OwnedPayload(payload)))]
+    vec![(parts[0].0, data, elems, Some(payload))]
 }
 
 /// The next event of an operation, waiting until `until`. While callers read the links (a

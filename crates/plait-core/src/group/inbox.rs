@@ -77,6 +77,41 @@ impl CommInbox {
         }
     }
 
+    /// What an Abort frame from `sender` means here: the error this rank's operations fail with.
+    fn explain_abort(&self, sender: usize, reason: &AbortReason) -> PlaitError {
+        let via = if reason.reporter == sender { String::new() } else { format!(", relayed by rank {sender}") };
+        let fabric = self.fabric.lock().upgrade();
+        let me = fabric.as_ref().map(|f| f.rank);
+        let (mut blamed, mut addr, mut what) = if reason.culprit == reason.reporter {
+            (reason.reporter, self.addr(reason.reporter), format!("failed: {}{via}", reason.what))
+        } else if Some(reason.culprit) == me {
+            // The reporter lost contact with this rank (a dead link between the two): from
+            // here, the reporter is the peer that is out of reach.
+            (reason.reporter, self.addr(reason.reporter), format!("lost contact with this rank and gave up ({}){via}", reason.what))
+        } else {
+            let addr = if reason.addr.is_empty() { self.addr(reason.culprit) } else { reason.addr.clone() };
+            (reason.culprit, addr, format!("{} (reported by rank {}{via})", reason.what, reason.reporter))
+        };
+        // A link of this rank that went quiet (a cut cable, a stopped process), other than the
+        // ones the report is about.
+        let silent = fabric
+            .map(|f| f.silent_peers(self.quiet))
+            .unwrap_or_default()
+            .into_iter()
+            .find(|(p, _)| ![sender, reason.culprit, reason.reporter].contains(p));
+        if let Some((p, d)) = silent {
+            if blamed == reason.reporter {
+                // The reporter most likely gave up because this rank was itself waiting on its
+                // silent link: that link is the cause here.
+                what = format!("silent for {d:.1?} (cut off, stopped or hung); meanwhile rank {blamed} {what}");
+                (blamed, addr) = (p, self.addr(p));
+            } else {
+                what = format!("{what}; rank {p} ({}) has also been silent for {d:.1?}", self.addr(p));
+            }
+        }
+        PlaitError::Peer { op: String::new(), peer: blamed, addr, what, waited: Duration::ZERO }
+    }
+
     fn addr(&self, peer: usize) -> String {
         self.fabric.lock().upgrade().map(|f| f.peer_addr(peer)).unwrap_or_default()
     }
@@ -116,52 +151,8 @@ impl Inbox for CommInbox {
             }
             Some(FrameKind::Data) | Some(FrameKind::P2p) => self.mailbox.deliver(peer, h, payload),
             Some(FrameKind::Abort) => {
-                let text = read_text(payload, 4096)?;
-                let reason = AbortReason::parse(peer, &text);
-                let via = if reason.reporter == peer { String::new() } else { format!(", relayed by rank {peer}") };
-                let fabric = self.fabric.lock().upgrade();
-                let me = fabric.as_ref().map(|f| f.rank);
-                // Links of this rank that went quiet (a cut cable, a stopped process) other
-                // than the ones the report is about.
-                let silent: Vec<(usize, Duration)> = fabric
-                    .map(|f| f.silent_peers(self.quiet))
-                    .unwrap_or_default()
-                    .into_iter()
-                    .filter(|(p, _)| *p != peer && *p != reason.culprit && *p != reason.reporter)
-                    .collect();
-                let about_third_rank = reason.culprit != reason.reporter && Some(reason.culprit) != me;
-                let err = if reason.culprit == reason.reporter {
-                    let what = format!("failed: {}{via}", reason.what);
-                    PlaitError::Peer { op: String::new(), peer: reason.reporter, addr: self.addr(reason.reporter), what, waited: Duration::ZERO }
-                } else if Some(reason.culprit) == me {
-                    // The reporter lost contact with this rank (a dead link between the two):
-                    // from here, the reporter is the peer that is out of reach.
-                    let what = format!("lost contact with this rank and gave up ({}){via}", reason.what);
-                    PlaitError::Peer { op: String::new(), peer: reason.reporter, addr: self.addr(reason.reporter), what, waited: Duration::ZERO }
-                } else {
-                    let addr = if reason.addr.is_empty() { self.addr(reason.culprit) } else { reason.addr.clone() };
-                    let what = format!("{} (reported by rank {}{via})", reason.what, reason.reporter);
-                    PlaitError::Peer { op: String::new(), peer: reason.culprit, addr, what, waited: Duration::ZERO }
-                };
-                let err = match (silent.first(), &err) {
-                    // A peer that gave up waiting for this rank most likely waited because this
-                    // rank was itself waiting on its silent link: that link is the cause here.
-                    (Some(&(p, d)), PlaitError::Peer { peer: blamed, what, .. }) if !about_third_rank => PlaitError::Peer {
-                        op: String::new(),
-                        peer: p,
-                        addr: self.addr(p),
-                        what: format!("silent for {d:.1?} (cut off, stopped or hung); meanwhile rank {blamed} {what}"),
-                        waited: Duration::ZERO,
-                    },
-                    (Some(&(p, d)), PlaitError::Peer { peer, addr, what, .. }) => PlaitError::Peer {
-                        op: String::new(),
-                        peer: *peer,
-                        addr: addr.clone(),
-                        what: format!("{what}; rank {p} ({}) has also been silent for {d:.1?}", self.addr(p)),
-                        waited: Duration::ZERO,
-                    },
-                    _ => err,
-                };
+                let reason = AbortReason::parse(peer, &read_text(payload, 4096)?);
+                let err = self.explain_abort(peer, &reason);
                 // Passed on once, so that ranks the reporter cannot reach still hear the reason
                 // before this rank's links close.
                 self.fail_relaying(err, reason);

@@ -65,8 +65,8 @@ pub struct PeerLink {
 
 /// Waits up to `wait` for any of `links` (those a caller may read, see `reader`) to have
 /// frames, and reads them on this thread; frames begun are finished by `deadline`.
-pub fn caller_progress(links: &[&PeerLink], wait: Duration, deadline: Instant) -> bool {
-    let sides: Vec<&ReadSide> = links.iter().map(|l| &*l.read).filter(|r| r.readable_by_caller()).collect();
+pub fn caller_progress<'a>(links: impl Iterator<Item = &'a PeerLink>, wait: Duration, deadline: Instant) -> bool {
+    let sides: Vec<&ReadSide> = links.map(|l| &*l.read).filter(|r| r.readable_by_caller()).collect();
     super::reader::caller_progress(&sides, wait, deadline)
 }
 

@@ -95,22 +95,29 @@ impl ReadSide {
             return;
         }
         if on {
-            let one: u64 = 1;
-            // SAFETY: writes 8 bytes from a live u64 to our eventfd.
-            unsafe { libc::write(self.kick.as_raw_fd(), &one as *const u64 as *const libc::c_void, 8) };
+            self.kick();
         } else {
-            let _g = self.park.lock();
-            self.unpark.notify_all();
+            self.unpark();
         }
     }
 
     /// Wakes the receiver thread so it sees the link was shut down.
     pub fn wake(&self) {
+        self.unpark();
+        self.kick();
+    }
+
+    /// Wakes the receiver thread out of `poll`.
+    fn kick(&self) {
+        let one: u64 = 1;
+        // SAFETY: writes 8 bytes from a live u64 to our eventfd.
+        unsafe { libc::write(self.kick.as_raw_fd(), &one as *const u64 as *const libc::c_void, 8) };
+    }
+
+    /// Wakes the receiver thread out of its park.
+    fn unpark(&self) {
         let _g = self.park.lock();
         self.unpark.notify_all();
-        let one: u64 = 1;
-        // SAFETY: as in set_caller_mode.
-        unsafe { libc::write(self.kick.as_raw_fd(), &one as *const u64 as *const libc::c_void, 8) };
     }
 
     /// The receiver thread's loop.
@@ -151,7 +158,8 @@ impl ReadSide {
 
     /// Reads every frame already waiting (the caller holds `frame_lock`: `rx`). A frame begun
     /// is read to its end, waiting until `deadline` at most for the rest of it (None: blocking).
-    /// Returns false when the link ended.
+    /// Returns false when the link ended; when it returns true, less than a header is left in
+    /// the buffer, so a waiter may rely on `poll` of the socket alone.
     fn read_waiting(&self, rx: &mut RxBuf, deadline: Option<Instant>) -> bool {
         loop {
             if self.ended.load(Ordering::Acquire) || self.deaf.load(Ordering::Acquire) {
@@ -180,11 +188,6 @@ impl ReadSide {
             Some(mut rx) => self.read_waiting(&mut rx, Some(deadline)),
             None => true,
         }
-    }
-
-    /// Whether a whole frame header is already buffered (then `poll` would not say so).
-    pub fn has_buffered_header(&self) -> bool {
-        self.frame_lock.try_lock().is_some_and(|rx| rx.len() >= HEADER_LEN)
     }
 
     fn read_frame(&self, rx: &mut RxBuf, deadline: Option<Instant>) -> io::Result<()> {
@@ -360,13 +363,6 @@ pub(super) fn caller_progress(sides: &[&ReadSide], wait: Duration, deadline: Ins
     if sides.is_empty() {
         std::thread::sleep(wait.min(Duration::from_millis(1)));
         return false;
-    }
-    // Frames already buffered (read along with an earlier one) make no socket readable.
-    if sides.iter().any(|s| s.has_buffered_header()) {
-        for side in sides {
-            side.caller_read(deadline);
-        }
-        return true;
     }
     let mut fds: Vec<libc::pollfd> = sides.iter().map(|s| libc::pollfd { fd: s.fd(), events: libc::POLLIN, revents: 0 }).collect();
     // SAFETY: fds is a live array of pollfd of the given length.
