@@ -17,6 +17,7 @@ TIMEOUT = 60.0
 
 def run(ctx):
     ctx.sections([
+        ("streams", report_streams),
         ("allreduce", allreduce_cases),
         ("reduce", reduce_cases),
         ("reduce_scatter", reduce_scatter_cases),
@@ -353,6 +354,10 @@ def p2p_cases(ctx):
     else:
         comm.send(gen(seed, me, 33, "i64"), 0, tag=9, timeout=TIMEOUT)
     comm.barrier(timeout=TIMEOUT)
+
+
+def report_streams(ctx):
+    ctx.metric("streams", streams=[r["streams"] for r in ctx.comm.routes()])
 
 
 def back_to_back(ctx):

@@ -16,3 +16,18 @@ def test_collectives(n):
                  + (f"; back-to-back small allreduce {b2b[0]['us_per_op']} us/op" if b2b else ""))
     res.assert_ok()
     harness.assert_same_digests(res)
+
+
+def test_collectives_over_several_streams():
+    """PLAIT_STREAMS=3 with 128 KiB segments: large payloads take three connections per peer in
+    turn and arrive in any order; every result, and the order of messages with one tag, holds."""
+    n = 3
+    env = {"PLAIT_STREAMS": "3", "PLAIT_SEGMENT_BYTES": "131072",
+           "PLAIT_TEST_SECTIONS": "streams,allreduce,big,async,p2p,bit_identical"}
+    res = harness.run_world("cases_collectives", n, env=env, timeout=400)
+    res.assert_ok()
+    harness.assert_same_digests(res)
+    for r in range(n):
+        seen = res.of(r, "metric")
+        streams = [e["streams"] for e in seen if e["name"] == "streams"]
+        assert streams == [[3] * (n - 1)], f"rank {r} reports streams per peer {streams}"

@@ -33,12 +33,15 @@ def _kill_or_stop(sig, victim, marks):
 
 # 2**24 floats: 64 MiB, read by the links' receiver threads; 256 floats: 1 KiB, read by the
 # calling thread (caller progress), whose parked receiver threads must not hide the death.
-@pytest.mark.parametrize("n,victim,count", [(3, 1, 2**24), (4, 0, 2**24), (3, 2, 256)])
-def test_sigkill_during_allreduce(n, victim, count):
+# PLAIT_STREAMS=3: a death seen on three connections per peer is still one error naming it.
+@pytest.mark.parametrize("n,victim,count,streams", [(3, 1, 2**24, 1), (4, 0, 2**24, 1), (3, 2, 256, 1),
+                                                    (3, 0, 2**24, 3)])
+def test_sigkill_during_allreduce(n, victim, count, streams):
     deadline = 10.0
     marks = {}
     res = harness.run_world("cases_faults", n,
                             args={"scenario": "kill", "victim": victim, "timeout": deadline, "count": count},
+                            env={"PLAIT_STREAMS": str(streams)},
                             control=_kill_or_stop(signal.SIGKILL, victim, marks), timeout=180)
     survivors = [r for r in range(n) if r != victim]
     res.assert_ok(survivors)
@@ -50,7 +53,8 @@ def test_sigkill_during_allreduce(n, victim, count):
             continue
         e = errs[0]
         tte = e["t_err"] - marks["t"]
-        harness.note(f"SIGKILL of rank {victim} during {count * 4} B allreduces: rank {r} raised {e['type']} "
+        harness.note(f"SIGKILL of rank {victim} during {count * 4} B allreduces ({streams} stream(s) per peer): "
+                     f"rank {r} raised {e['type']} "
                      f"{tte * 1000:.0f} ms after the kill: {e['msg']}")
         # BrokenError: the failure arrived between two allreduces, so the next call found the
         # communicator already broken (its message carries the cause).

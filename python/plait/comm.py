@@ -112,7 +112,8 @@ class Communicator:
         return self._comm.algorithm_for(coll, nbytes, root)
 
     def routes(self):
-        """Per peer: the local and remote address and interface used, why, and the start-up RTT."""
+        """Per peer: the local and remote address and interface used, why, the start-up RTT and the
+        number of TCP streams (`PLAIT_STREAMS`)."""
         return self._comm.routes()
 
     def topology(self):

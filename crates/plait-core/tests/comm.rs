@@ -9,16 +9,26 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 fn world<T: Send + 'static>(n: usize, epoch: u64, f: impl Fn(Arc<Communicator>) -> T + Send + Sync + 'static) -> Vec<T> {
+    world_with(n, epoch, |cfg| cfg.segment_bytes = 4096, f)
+}
+
+fn world_with<T: Send + 'static>(
+    n: usize,
+    epoch: u64,
+    tweak: impl Fn(&mut CommConfig) + Send + Sync + 'static,
+    f: impl Fn(Arc<Communicator>) -> T + Send + Sync + 'static,
+) -> Vec<T> {
     let store = Arc::new(MemStore::new());
+    let tweak = Arc::new(tweak);
     let f = Arc::new(f);
     let handles: Vec<_> = (0..n)
         .map(|r| {
-            let (store, f) = (store.clone(), f.clone());
+            let (store, f, tweak) = (store.clone(), f.clone(), tweak.clone());
             std::thread::spawn(move || {
                 let mut cfg = CommConfig::from_env(r, n).unwrap();
                 cfg.timeout = Duration::from_secs(20);
                 cfg.epoch = epoch;
-                cfg.segment_bytes = 4096;
+                tweak(&mut cfg);
                 let comm = Communicator::new(&*store, cfg).unwrap();
                 let out = f(comm.clone());
                 comm.close();
@@ -217,4 +227,85 @@ fn async_messages_with_one_tag_match_in_call_order() {
         swapped
     });
     assert_eq!(results, vec![0, 0]);
+}
+
+/// Several TCP streams per peer (`PLAIT_STREAMS`): large segments take the lanes in turn and
+/// arrive in any order; results and message order must not change.
+#[test]
+fn several_streams_per_peer_keep_results_and_message_order() {
+    let lanes = |cfg: &mut CommConfig| {
+        cfg.streams = 3;
+        cfg.segment_bytes = 128 * 1024;
+    };
+    for n in [2, 3, 4] {
+        let errs: Vec<String> = world_with(n, 0, lanes, move |comm| {
+            let r = comm.rank();
+            let mut errs = Vec::new();
+            for algo in ["ring", "direct", "rhd"] {
+                for count in [0usize, 5, 300_001] {
+                    let mut input: Vec<f32> = (0..count).map(|i| (i % 31) as f32 * 0.5 + r as f32).collect();
+                    let mut output = vec![-1.0f32; count];
+                    allreduce(&comm, &mut input, &mut output, Some(algo)).unwrap();
+                    if let Some((i, v)) = output.iter().enumerate().find(|(i, v)| {
+                        **v != (0..n).map(|q| (i % 31) as f32 * 0.5 + q as f32).sum::<f32>()
+                    }) {
+                        errs.push(format!("n={n} {algo} count={count}: [{i}] = {v}"));
+                    }
+                }
+            }
+            errs
+        })
+        .into_iter()
+        .flatten()
+        .collect();
+        assert!(errs.is_empty(), "{errs:?}");
+    }
+    // Large messages with one tag, received from any source: lanes let a later message overtake
+    // an earlier one on the wire, but receives must still match in the order of the sends.
+    let results = world_with(2, 0, lanes, |comm| {
+        let len = 100_000;
+        let mut wrong = Vec::new();
+        for round in 0..20 {
+            if comm.rank() == 0 {
+                let mut bufs: Vec<Vec<f32>> = (0..4).map(|k| vec![(round * 4 + k) as f32; len]).collect();
+                let works: Vec<_> =
+                    bufs.iter_mut().map(|b| comm.send(f32_buf(b), DType::F32, 1, 9, None, false).unwrap()).collect();
+                for w in works {
+                    w.wait(None).unwrap().unwrap();
+                }
+            } else {
+                let mut bufs: Vec<Vec<f32>> = (0..4).map(|_| vec![0.0f32; len]).collect();
+                let works: Vec<_> =
+                    bufs.iter_mut().map(|b| comm.recv(f32_buf(b), DType::F32, None, 9, None, false).unwrap()).collect();
+                for w in works {
+                    w.wait(None).unwrap().unwrap();
+                }
+                for (k, b) in bufs.iter().enumerate() {
+                    if let Some(v) = b.iter().find(|v| **v != (round * 4 + k) as f32) {
+                        wrong.push(format!("round {round}: receive {k} holds message {v}"));
+                    }
+                }
+            }
+        }
+        wrong
+    });
+    assert!(results.iter().all(|w| w.is_empty()), "{results:?}");
+}
+
+#[test]
+fn ranks_disagreeing_on_streams_fail_naming_the_setting() {
+    let store = Arc::new(MemStore::new());
+    let handles: Vec<_> = (0..2)
+        .map(|r| {
+            let store = store.clone();
+            std::thread::spawn(move || {
+                let mut cfg = CommConfig::from_env(r, 2).unwrap();
+                cfg.timeout = Duration::from_secs(3);
+                cfg.streams = 1 + r;
+                Communicator::new(&*store, cfg).map(|c| c.close()).unwrap_err().to_string()
+            })
+        })
+        .collect();
+    let errs: Vec<String> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    assert!(errs.iter().any(|e| e.contains("PLAIT_STREAMS")), "{errs:?}");
 }

@@ -301,6 +301,7 @@ impl PyComm {
                 d.set_item("local_iface", &r.local_iface)?;
                 d.set_item("same_host", r.same_host)?;
                 d.set_item("rtt_us", r.rtt_us)?;
+                d.set_item("streams", r.streams)?;
                 Ok(d)
             })
             .collect()

@@ -152,24 +152,12 @@ impl Mailbox {
             return;
         }
         let kind = FrameKind::P2p as u8;
-        let peer = match src {
-            Some(peer) => Some(peer),
-            // The earliest stashed message with this tag whose ordinal is next for its sender.
-            None => {
-                let mut found: Option<usize> = None;
-                for key in inner.stashed.keys() {
-                    if key.1 == kind && key.2 == tag {
-                        let next = inner.p2p_next.get(&(key.0, tag)).copied().unwrap_or(0);
-                        if key.5 == next && found.is_none_or(|f| key.0 < f) {
-                            found = Some(key.0);
-                        }
-                    }
-                }
-                found
-            }
-        };
-        let Some(peer) = peer else {
+        let Some(peer) = src else {
+            // Behind any-source receives already waiting: they take stashed messages first.
             inner.any_source.entry(tag).or_default().push(p);
+            let ready = next_in_line_for_any_source(&mut inner, tag);
+            drop(inner);
+            self.land_stashed(ready);
             return;
         };
         let next = inner.p2p_next.entry((peer, tag)).or_insert(0);
@@ -286,6 +274,9 @@ impl Mailbox {
             return match land_from_stream(peer, h, payload, &p) {
                 Ok(result) => {
                     let _ = p.events.send(Event { token: p.token, result, source: peer });
+                    if h.kind == FrameKind::P2p as u8 {
+                        self.hand_on_overtaken(h.seq);
+                    }
                     Ok(())
                 }
                 Err(io_err) => {
@@ -317,15 +308,57 @@ impl Mailbox {
             let result = land_from_memory(peer, h, &data, &p);
             self.pool.give(data);
             let _ = p.events.send(Event { token: p.token, result, source: peer });
+            if h.kind == FrameKind::P2p as u8 {
+                self.hand_on_overtaken(h.seq);
+            }
         } else {
             inner.stashed.insert(key, Stashed { header: *h, data });
         }
         Ok(())
     }
 
+    /// With several lanes a later message can overtake an earlier one from the same sender and
+    /// wait in the stash while any-source receives are posted. Once the earlier one is taken,
+    /// the stashed one may be next in line: hand it to the oldest waiting any-source receive.
+    fn hand_on_overtaken(&self, tag: u64) {
+        let ready = next_in_line_for_any_source(&mut self.inner.lock(), tag);
+        self.land_stashed(ready);
+    }
+
+    fn land_stashed(&self, ready: Vec<(usize, Stashed, Posted)>) {
+        for (peer, s, p) in ready {
+            let result = land_from_memory(peer, &s.header, &s.data, &p);
+            self.pool.give(s.data);
+            let _ = p.events.send(Event { token: p.token, result, source: peer });
+        }
+    }
+
     fn take(&self, peer: usize, key: Key) -> Option<Posted> {
         take_locked(&mut self.inner.lock(), peer, key)
     }
+}
+
+/// Pairs waiting any-source receives of `tag`, oldest first, with stashed messages that are
+/// next in line for their sender (the lowest rank first when several are).
+fn next_in_line_for_any_source(inner: &mut Inner, tag: u64) -> Vec<(usize, Stashed, Posted)> {
+    let kind = FrameKind::P2p as u8;
+    let mut ready = Vec::new();
+    while inner.any_source.get(&tag).is_some_and(|l| !l.is_empty()) {
+        let sender = inner
+            .stashed
+            .keys()
+            .filter(|k| k.1 == kind && k.2 == tag && k.5 == inner.p2p_next.get(&(k.0, tag)).copied().unwrap_or(0))
+            .map(|k| k.0)
+            .min();
+        let Some(peer) = sender else { break };
+        let next = inner.p2p_next.entry((peer, tag)).or_insert(0);
+        let key = (peer, kind, tag, 0, 0, *next);
+        *next += 1;
+        let s = inner.stashed.remove(&key).expect("found above");
+        let p = inner.any_source.get_mut(&tag).expect("checked above").remove(0);
+        ready.push((peer, s, p));
+    }
+    ready
 }
 
 fn take_locked(inner: &mut Inner, peer: usize, key: Key) -> Option<Posted> {

@@ -6,6 +6,7 @@ use crate::exec::mailbox::Mailbox;
 use crate::net::frame::{FrameHeader, FrameKind};
 use crate::net::peer::Inbox;
 use parking_lot::Mutex;
+use std::collections::HashMap;
 use std::io::{self, Read};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
@@ -26,6 +27,9 @@ pub(super) struct CommInbox {
     early_pings: Mutex<Vec<(usize, FrameHeader, Vec<u8>)>>,
     /// A link silent for longer than this (several missed heartbeats) is cut off or hung.
     quiet: Duration,
+    /// Close frames received per peer: one comes on each of its lanes, and the peer has closed
+    /// once all have (data sent earlier on another lane may still be on its way before that).
+    closes: Mutex<HashMap<usize, usize>>,
 }
 
 impl CommInbox {
@@ -37,6 +41,7 @@ impl CommInbox {
             downs: Mutex::new(Vec::new()),
             early_pings: Mutex::new(Vec::new()),
             quiet: heartbeat * 3,
+            closes: Mutex::new(HashMap::new()),
         }
     }
 
@@ -160,6 +165,16 @@ impl Inbox for CommInbox {
             }
             Some(FrameKind::Close) => {
                 read_text(payload, 0)?;
+                let lanes = self.fabric.lock().upgrade().and_then(|f| f.links.get(peer)?.as_ref().map(|l| l.lanes())).unwrap_or(1);
+                let closes = {
+                    let mut c = self.closes.lock();
+                    let n = c.entry(peer).or_insert(0);
+                    *n += 1;
+                    *n
+                };
+                if closes < lanes {
+                    return Ok(());
+                }
                 let err = PlaitError::Peer {
                     op: String::new(),
                     peer,
@@ -187,6 +202,10 @@ impl Inbox for CommInbox {
         };
         let first = {
             let mut downs = self.downs.lock();
+            // With several lanes to a peer, each lane reports its end: the first one tells.
+            if downs.iter().any(|(p, _, _)| *p == peer) {
+                return;
+            }
             downs.push((peer, Instant::now(), what));
             downs.len() == 1
         };

@@ -41,6 +41,10 @@ pub const DEFAULT_SEGMENT_BYTES: usize = 1 << 20;
 /// per message, while larger transfers keep one receiver thread per link (links in parallel).
 pub const DEFAULT_CALLER_READ_BYTES: usize = 64 * 1024;
 const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
+/// One TCP stream per peer unless told otherwise: on every link measured (loopback, 1 Gbit/s
+/// cables) a second stream only added CPU (see the README's `PLAIT_STREAMS` figures).
+pub const DEFAULT_STREAMS: usize = 1;
+pub const MAX_STREAMS: usize = 16;
 /// Async operations run on worker threads; a new one starts whenever none is idle, so an
 /// operation never waits behind another (an async receive posted before its matching send
 /// would otherwise deadlock). Workers beyond this many exit after a while idle.
@@ -65,6 +69,9 @@ pub struct CommConfig {
     /// A caller reading its links polls them without sleeping this long before it blocks
     /// (`PLAIT_BUSY_POLL_US`, default 0: off).
     pub busy_poll: Duration,
+    /// TCP connections per pair of ranks (`PLAIT_STREAMS`, 1 to 16): large payloads are spread
+    /// over them, for links that one stream cannot fill.
+    pub streams: usize,
     /// `PLAIT_IFACE` syntax (NCCL_SOCKET_IFNAME-like).
     pub iface: Option<String>,
     /// `PLAIT_ROUTES`: path of an N x N route matrix that overrides subnet matching.
@@ -107,9 +114,16 @@ impl CommConfig {
             })?),
             None => Duration::ZERO,
         };
+        let streams = match env_nonempty("PLAIT_STREAMS") {
+            Some(v) => v.parse::<usize>().ok().filter(|n| (1..=MAX_STREAMS).contains(n)).ok_or_else(|| {
+                PlaitError::Config(format!("PLAIT_STREAMS={v:?} must be a number of connections per peer from 1 to {MAX_STREAMS}"))
+            })?,
+            None => DEFAULT_STREAMS,
+        };
         Ok(CommConfig {
             rank,
             size,
+            streams,
             caller_read_bytes,
             busy_poll,
             group: "default".into(),
@@ -233,7 +247,16 @@ impl Communicator {
         let deadline = start + cfg.timeout;
         let prefix = format!("plait/{}/{}", cfg.group, cfg.epoch);
 
-        let hello = Hello { group: cfg.group.clone(), epoch: cfg.epoch, from: rank as u32, to: rank as u32, world: size as u32 };
+        let lanes = cfg.streams.clamp(1, MAX_STREAMS) as u8;
+        let hello = Hello {
+            group: cfg.group.clone(),
+            epoch: cfg.epoch,
+            from: rank as u32,
+            to: rank as u32,
+            world: size as u32,
+            lane: 0,
+            lanes,
+        };
         let listener = if size > 1 { Some(Listener::bind(hello.clone())?) } else { None };
         let me = PeerInfo {
             rank,
@@ -274,7 +297,12 @@ impl Communicator {
                     Some(rf) => vec![rf.route(rank, &me.addrs, peer, &info.addrs)?],
                     None => prefer_dedicated(candidate_routes(&me.addrs, &info.addrs, same_host, filter.as_ref()), &infos, peer),
                 };
-                let (stream, route) = connect_first(&candidates, info, &Hello { to: peer as u32, ..hello.clone() }, deadline)?;
+                let first = Hello { to: peer as u32, ..hello.clone() };
+                let (stream, route) = connect_first(&candidates, info, &first, deadline)?;
+                let mut streams = vec![stream];
+                for lane in 1..lanes {
+                    streams.push(connect(&route, info.port, &Hello { lane, ..first.clone() }, deadline)?);
+                }
                 routes.push(LinkRecord {
                     peer,
                     local_iface: route.local.name.clone(),
@@ -283,12 +311,14 @@ impl Communicator {
                     same_host,
                     rtt_us: None,
                     reason: route.reason.clone(),
+                    streams: lanes as usize,
                 });
                 let addr = format!("{}:{}", route.peer_ip, info.port);
-                fabric.links[peer] = Some(PeerLink::start(peer, addr, stream, inbox.clone(), heartbeat)?);
+                fabric.links[peer] = Some(PeerLink::start(peer, addr, streams, inbox.clone(), heartbeat)?);
             }
             for (peer, info) in infos.iter().enumerate().skip(rank + 1) {
-                let stream = listener.as_ref().unwrap().accept_from(peer as u32, deadline)?;
+                let listener = listener.as_ref().unwrap();
+                let stream = listener.accept_from(peer as u32, deadline)?;
                 let remote = stream.peer_addr().map(|a| a.ip().to_canonical().to_string()).unwrap_or_default();
                 let local_ip = stream.local_addr().map(|a| a.ip().to_canonical()).ok();
                 let local_iface = me.addrs.iter().find(|a| Some(a.ip) == local_ip).map(|a| a.name.clone()).unwrap_or_default();
@@ -300,8 +330,13 @@ impl Communicator {
                     same_host: info.machine == me.machine,
                     rtt_us: None,
                     reason: format!("rank {peer} ({}) connected from {remote}", info.host),
+                    streams: lanes as usize,
                 });
-                fabric.links[peer] = Some(PeerLink::start(peer, format!("{remote}:{}", info.port), stream, inbox.clone(), heartbeat)?);
+                let mut streams = vec![stream];
+                for lane in 1..lanes {
+                    streams.push(listener.accept_lane(peer as u32, lane, deadline)?);
+                }
+                fabric.links[peer] = Some(PeerLink::start(peer, format!("{remote}:{}", info.port), streams, inbox.clone(), heartbeat)?);
             }
             Ok(())
         })();

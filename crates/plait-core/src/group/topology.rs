@@ -44,6 +44,13 @@ pub struct LinkRecord {
     /// Connect plus handshake round trip, measured by the rank that connected.
     pub rtt_us: Option<f64>,
     pub reason: String,
+    /// TCP connections to this peer (`PLAIT_STREAMS`).
+    #[serde(default = "one")]
+    pub streams: usize,
+}
+
+fn one() -> usize {
+    1
 }
 
 /// Derives the topology from every rank's link records (`records[r]` = rank r's links). Pure,
@@ -151,7 +158,7 @@ mod tests {
     use super::*;
 
     fn rec(peer: usize, iface: &str, same_host: bool) -> LinkRecord {
-        LinkRecord { peer, local_iface: iface.into(), local: String::new(), remote: String::new(), same_host, rtt_us: None, reason: String::new() }
+        LinkRecord { peer, local_iface: iface.into(), local: String::new(), remote: String::new(), same_host, rtt_us: None, reason: String::new(), streams: 1 }
     }
 
     #[test]

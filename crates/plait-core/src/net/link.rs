@@ -6,9 +6,13 @@
 //! sides can log, instead of being paired with the wrong rank.
 //!
 //! Wire format (little endian):
-//!   hello: b"PLAITHS" | version u8 | epoch u64 | from u32 | to u32 | world u32 | group_len u16 | group (UTF-8)
+//!   hello: b"PLAITHS" | version u8 | epoch u64 | from u32 | to u32 | world u32 | lane u8 | lanes u8
+//!          | group_len u16 | group (UTF-8)
 //!   reply: b"PLAITHR" | version u8 | status u8 (1 accept, 0 refuse) | reason_len u16 | reason (UTF-8)
 //! Lengths are bounded (1 KiB) so garbage cannot make either side allocate much.
+//!
+//! A pair of ranks may open several connections ("lanes", `PLAIT_STREAMS`): each hello names its
+//! lane, and both sides must agree on how many there are.
 
 use crate::error::PlaitError;
 use crate::net::route::Route;
@@ -29,6 +33,9 @@ pub struct Hello {
     pub from: u32,
     pub to: u32,
     pub world: u32,
+    /// Which of the `lanes` connections between the two ranks this is.
+    pub lane: u8,
+    pub lanes: u8,
 }
 
 /// How long an accepted connection may take to send its hello.
@@ -36,8 +43,8 @@ pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
 
 const HELLO_MAGIC: &[u8; 7] = b"PLAITHS";
 const REPLY_MAGIC: &[u8; 7] = b"PLAITHR";
-const VERSION: u8 = 1;
-const HELLO_FIXED_LEN: usize = 7 + 1 + 8 + 4 + 4 + 4 + 2;
+const VERSION: u8 = 2;
+const HELLO_FIXED_LEN: usize = 7 + 1 + 8 + 4 + 4 + 4 + 1 + 1 + 2;
 const REPLY_FIXED_LEN: usize = 7 + 1 + 1 + 2;
 const MAX_GROUP_LEN: usize = 1024;
 const MAX_REASON_LEN: usize = 1024;
@@ -58,6 +65,8 @@ impl Hello {
         b.extend_from_slice(&self.from.to_le_bytes());
         b.extend_from_slice(&self.to.to_le_bytes());
         b.extend_from_slice(&self.world.to_le_bytes());
+        b.push(self.lane);
+        b.push(self.lanes);
         b.extend_from_slice(&(g.len() as u16).to_le_bytes());
         b.extend_from_slice(g);
         b
@@ -82,12 +91,12 @@ struct Shared {
 
 #[derive(Default)]
 struct State {
-    /// Accepted, not yet taken by accept_from.
-    ready: HashMap<u32, TcpStream>,
-    /// Ranks accepted, being replied to, or taken: a second connection claiming one is refused.
-    claimed: HashSet<u32>,
-    /// Ranks whose stream accept_from already handed out.
-    taken: HashSet<u32>,
+    /// Accepted, not yet taken by accept_lane, by (rank, lane).
+    ready: HashMap<(u32, u8), TcpStream>,
+    /// Lanes accepted, being replied to, or taken: a second connection claiming one is refused.
+    claimed: HashSet<(u32, u8)>,
+    /// Lanes whose stream accept_lane already handed out.
+    taken: HashSet<(u32, u8)>,
     /// Clones of sockets mid-handshake, shut down on close so their threads exit at once.
     pending: HashMap<u64, TcpStream>,
     next_pending: u64,
@@ -134,6 +143,11 @@ impl Listener {
 
     /// Waits for the accepted connection from rank `from` (any order of arrival) until `deadline`.
     pub fn accept_from(&self, from: u32, deadline: Instant) -> Result<TcpStream, PlaitError> {
+        self.accept_lane(from, 0, deadline)
+    }
+
+    /// As `accept_from`, for one of several connections from that rank.
+    pub fn accept_lane(&self, from: u32, lane: u8, deadline: Instant) -> Result<TcpStream, PlaitError> {
         let start = Instant::now();
         let e = &self.shared.expect;
         if from <= e.to || from >= e.world {
@@ -152,17 +166,18 @@ impl Listener {
                     self.port
                 )));
             }
-            if let Some(s) = st.ready.remove(&from) {
-                st.taken.insert(from);
+            if let Some(s) = st.ready.remove(&(from, lane)) {
+                st.taken.insert((from, lane));
                 return Ok(s);
             }
             // `claimed` alone may mean "handshake still replying": only a handed-out stream is taken.
-            if st.taken.contains(&from) {
-                return Err(PlaitError::invalid(format!("connection from rank {from} was already taken")));
+            if st.taken.contains(&(from, lane)) {
+                return Err(PlaitError::invalid(format!("connection {lane} from rank {from} was already taken")));
             }
             if Instant::now() >= deadline {
+                let which = if e.lanes > 1 { format!(" (connection {} of {})", lane + 1, e.lanes) } else { String::new() };
                 let mut waiting_on = format!(
-                    "rank {from} to connect to rank {} (port {}, group {:?}, epoch {}, world {})",
+                    "rank {from} to connect to rank {}{which} (port {}, group {:?}, epoch {}, world {})",
                     e.to, self.port, e.group, e.epoch, e.world
                 );
                 if let Some(why) = st.refused_rank.get(&from) {
@@ -307,18 +322,23 @@ fn handshake(mut s: TcpStream, addr: SocketAddr, id: u64, shared: &Shared) {
     if let Some(why) = check_hello(&hello, &shared.expect) {
         return refuse(s, addr, Some(hello.from), why, shared);
     }
+    let key = (hello.from, hello.lane);
     {
         let mut st = shared.state.lock();
         if st.closed {
             return;
         }
-        if st.claimed.contains(&hello.from) {
+        if st.claimed.contains(&key) {
             drop(st);
-            let why = format!("rank {} is already connected", hello.from);
+            let why = if hello.lanes > 1 {
+                format!("rank {} is already connected on connection {} of {}", hello.from, hello.lane + 1, hello.lanes)
+            } else {
+                format!("rank {} is already connected", hello.from)
+            };
             return refuse(s, addr, Some(hello.from), why, shared);
         }
         // Claim before replying so two concurrent attempts from one rank cannot both succeed.
-        st.claimed.insert(hello.from);
+        st.claimed.insert(key);
     }
     let ready = write_reply(&mut s, true, "").and_then(|_| {
         s.set_read_timeout(None)?;
@@ -338,14 +358,14 @@ fn handshake(mut s: TcpStream, addr: SocketAddr, id: u64, shared: &Shared) {
             // took the stream would shut down the owner's link.
             st.pending.remove(&id);
             st.refused_rank.remove(&hello.from);
-            st.ready.insert(hello.from, s);
+            st.ready.insert(key, s);
             drop(st);
             shared.cv.notify_all();
         }
         Ok(()) => {}
         Err(e) => {
             // The peer will see the failure and retry; let it.
-            st.claimed.remove(&hello.from);
+            st.claimed.remove(&key);
             drop(st);
             tracing::warn!(remote = %addr, "handshake with rank {} failed while replying: {e}", hello.from);
         }
@@ -380,6 +400,13 @@ fn check_hello(h: &Hello, e: &Hello) -> Option<String> {
         format!("sender rank {} out of range for world size {}", h.from, e.world)
     } else if h.from <= me {
         format!("rank {} must listen for rank {me}, not connect to it (the higher rank connects)", h.from)
+    } else if h.lanes != e.lanes {
+        format!(
+            "rank {} opens {} connection(s) per peer, this rank {} (set PLAIT_STREAMS the same on every rank)",
+            h.from, h.lanes, e.lanes
+        )
+    } else if h.lane >= h.lanes {
+        format!("rank {} sent connection index {} of {}", h.from, h.lane, h.lanes)
     } else {
         return None;
     })
@@ -400,14 +427,15 @@ fn read_hello(s: &mut TcpStream, deadline: Instant) -> Result<Hello, HsFail> {
     let u32_at = |o: usize| u32::from_le_bytes(b[o..o + 4].try_into().unwrap());
     let epoch = u64::from_le_bytes(b[8..16].try_into().unwrap());
     let (from, to, world) = (u32_at(16), u32_at(20), u32_at(24));
-    let glen = u16::from_le_bytes([b[28], b[29]]) as usize;
+    let (lane, lanes) = (b[28], b[29]);
+    let glen = u16::from_le_bytes([b[30], b[31]]) as usize;
     if glen > MAX_GROUP_LEN {
         return Err(HsFail::Refuse(format!("group id of {glen} bytes exceeds {MAX_GROUP_LEN}")));
     }
     let mut g = vec![0u8; glen];
     read_exact_by(s, &mut g, deadline).map_err(io)?;
     let group = String::from_utf8(g).map_err(|_| HsFail::Refuse("group id is not UTF-8".into()))?;
-    Ok(Hello { group, epoch, from, to, world })
+    Ok(Hello { group, epoch, from, to, world, lane, lanes })
 }
 
 fn describe_read_error(e: &io::Error) -> String {
@@ -649,7 +677,7 @@ mod tests {
     }
 
     fn hello(group: &str, epoch: u64, from: u32, to: u32, world: u32) -> Hello {
-        Hello { group: group.into(), epoch, from, to, world }
+        Hello { group: group.into(), epoch, from, to, world, lane: 0, lanes: 1 }
     }
 
     fn soon(ms: u64) -> Instant {
@@ -765,7 +793,7 @@ mod tests {
         // Valid magic announcing a huge group id.
         let mut huge = TcpStream::connect(("127.0.0.1", p)).unwrap();
         let mut h = hello("g", 3, 1, 0, 2).encode();
-        h[28..30].copy_from_slice(&u16::MAX.to_le_bytes());
+        h[30..32].copy_from_slice(&u16::MAX.to_le_bytes());
         huge.write_all(&h[..HELLO_FIXED_LEN]).unwrap();
         // Silent half-open, and one that stalls mid-hello.
         let mut silent = TcpStream::connect(("127.0.0.1", p)).unwrap();

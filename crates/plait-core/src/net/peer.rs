@@ -1,5 +1,6 @@
-//! A connected peer: one sender thread that writes frames from a queue, one receiver thread that
-//! reads frames and hands each to an [`Inbox`]. Neither knows about collectives.
+//! A connected peer: per connection, one sender thread that writes frames from a queue and one
+//! receiver thread that reads frames and hands each to an [`Inbox`]. Neither knows about
+//! collectives.
 //!
 //! Why threads per peer: every link carries traffic at once (a full mesh uses all cables), and a
 //! blocked write to one slow peer must never stall another.
@@ -10,7 +11,7 @@ use crossbeam_channel::{Receiver, Sender};
 use parking_lot::Mutex;
 use std::io::{self, Read, Write};
 use std::net::{Shutdown, TcpStream};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -44,82 +45,110 @@ pub struct SendReq {
     pub done: Option<SendDone>,
 }
 
+/// Every connection to one peer. With several lanes (`PLAIT_STREAMS`), large payloads are
+/// spread over them in turn, each lane with its own sender and receiver thread, so a link that
+/// one TCP stream cannot fill (a long fat pipe, a per-flow limit) gets several; small frames
+/// all take lane 0. Nothing relies on order across lanes: the mailbox matches frames by what
+/// their headers say, and control frames (Abort, Close) go on every lane so that each lane's
+/// reader hears them before it sees that lane close.
 pub struct PeerLink {
     pub peer: usize,
     pub addr: String,
+    lanes: Vec<Lane>,
+    /// Which lane the next large payload takes.
+    next_lane: AtomicUsize,
+    epoch_start: Instant,
+    /// Set when this side stops reading on purpose: the receivers exit without reporting.
+    deaf: Arc<AtomicBool>,
+    closing: Arc<AtomicBool>,
+    threads: Mutex<Vec<JoinHandle<()>>>,
+}
+
+/// One TCP connection to the peer.
+struct Lane {
     stream: TcpStream,
     /// The writing end, shared by the sender thread and callers that write small frames
-    /// themselves when the link is idle (one thread hand-off less per small message).
+    /// themselves when the lane is idle (one thread hand-off less per small message).
     writer: Arc<Mutex<Writer>>,
     queue: Sender<SendReq>,
     urgent: Sender<SendReq>,
-    /// Nanoseconds since `epoch_start` when the last byte arrived from this peer.
+    /// Nanoseconds since `epoch_start` when the last byte arrived on this lane.
     last_rx: Arc<AtomicU64>,
-    epoch_start: Instant,
-    closing: Arc<AtomicBool>,
-    /// Set when this side stops reading on purpose: the receiver exits without reporting.
-    deaf: Arc<AtomicBool>,
-    pub(super) read: Arc<ReadSide>,
-    threads: Mutex<Vec<JoinHandle<()>>>,
+    read: Arc<ReadSide>,
 }
 
 /// Waits up to `wait` for any of `links` (those a caller may read, see `reader`) to have
 /// frames, and reads them on this thread; frames begun are finished by `deadline`.
 pub fn caller_progress<'a>(links: impl Iterator<Item = &'a PeerLink>, wait: Duration, deadline: Instant) -> bool {
-    let sides: Vec<&ReadSide> = links.map(|l| &*l.read).filter(|r| r.readable_by_caller()).collect();
+    let sides: Vec<&ReadSide> =
+        links.flat_map(|l| l.lanes.iter()).map(|lane| &*lane.read).filter(|r| r.readable_by_caller()).collect();
     super::reader::caller_progress(&sides, wait, deadline)
 }
 
 impl PeerLink {
+    /// Starts the threads of every lane; `streams[i]` is lane i.
     pub fn start(
         peer: usize,
         addr: String,
-        stream: TcpStream,
+        streams: Vec<TcpStream>,
         inbox: Arc<dyn Inbox>,
         heartbeat: Duration,
     ) -> io::Result<Arc<PeerLink>> {
-        let (queue, queue_rx) = crossbeam_channel::unbounded();
-        let (urgent, urgent_rx) = crossbeam_channel::unbounded();
+        assert!(!streams.is_empty(), "a peer link needs at least one connection");
         let epoch_start = Instant::now();
-        let last_rx = Arc::new(AtomicU64::new(0));
         let closing = Arc::new(AtomicBool::new(false));
         let deaf = Arc::new(AtomicBool::new(false));
-        let writer = Arc::new(Mutex::new(Writer {
-            stream: stream.try_clone()?,
-            scratch: Vec::with_capacity(HEADER_LEN + EAGER_MAX),
-            last_tx: Instant::now(),
-            failed: None,
-        }));
-        let read = Arc::new(ReadSide::new(peer, stream.try_clone()?, inbox, heartbeat, last_rx.clone(), epoch_start, deaf.clone())?);
-        let link = Arc::new(PeerLink {
+        let mut lanes = Vec::with_capacity(streams.len());
+        let mut threads = Vec::new();
+        for (i, stream) in streams.into_iter().enumerate() {
+            let (queue, queue_rx) = crossbeam_channel::unbounded();
+            let (urgent, urgent_rx) = crossbeam_channel::unbounded();
+            let last_rx = Arc::new(AtomicU64::new(0));
+            let writer = Arc::new(Mutex::new(Writer {
+                stream: stream.try_clone()?,
+                scratch: Vec::with_capacity(HEADER_LEN + EAGER_MAX),
+                last_tx: Instant::now(),
+                failed: None,
+            }));
+            let read = Arc::new(ReadSide::new(peer, stream.try_clone()?, inbox.clone(), heartbeat, last_rx.clone(), epoch_start, deaf.clone())?);
+            let (w, c) = (writer.clone(), closing.clone());
+            let suffix = if i == 0 { String::new() } else { format!(".{i}") };
+            threads.push(
+                std::thread::Builder::new()
+                    .name(format!("plait-send-{peer}{suffix}"))
+                    .spawn(move || send_loop(w, queue_rx, urgent_rx, heartbeat, c))?,
+            );
+            let r = read.clone();
+            threads.push(std::thread::Builder::new().name(format!("plait-recv-{peer}{suffix}")).spawn(move || r.run())?);
+            lanes.push(Lane { stream, writer, queue, urgent, last_rx, read });
+        }
+        Ok(Arc::new(PeerLink {
             peer,
             addr,
-            stream: stream.try_clone()?,
-            writer: writer.clone(),
-            queue,
-            urgent,
-            last_rx: last_rx.clone(),
+            lanes,
+            next_lane: AtomicUsize::new(0),
             epoch_start,
-            closing: closing.clone(),
-            deaf: deaf.clone(),
-            read: read.clone(),
-            threads: Mutex::new(Vec::new()),
-        });
-        let send_closing = closing.clone();
-        let sender = std::thread::Builder::new()
-            .name(format!("plait-send-{peer}"))
-            .spawn(move || send_loop(writer, queue_rx, urgent_rx, heartbeat, send_closing))?;
-        drop(stream);
-        let receiver = std::thread::Builder::new().name(format!("plait-recv-{peer}")).spawn(move || read.run())?;
-        link.threads.lock().extend([sender, receiver]);
-        Ok(link)
+            deaf,
+            closing,
+            threads: Mutex::new(threads),
+        }))
+    }
+
+    pub fn lanes(&self) -> usize {
+        self.lanes.len()
     }
 
     /// Queues a frame. `done` runs once it is written (or failed): on this thread when the
-    /// frame is small and the link idle, else on the sender thread.
+    /// frame is small and its lane idle, else on that lane's sender thread.
     pub fn send(&self, mut req: SendReq) {
-        if req.data.len <= EAGER_MAX && self.queue.is_empty() && self.urgent.is_empty() {
-            if let Some(mut w) = self.writer.try_lock() {
+        let small = req.data.len <= EAGER_MAX;
+        let lane = if small || self.lanes.len() == 1 {
+            &self.lanes[0]
+        } else {
+            &self.lanes[self.next_lane.fetch_add(1, Ordering::Relaxed) % self.lanes.len()]
+        };
+        if small && lane.queue.is_empty() && lane.urgent.is_empty() {
+            if let Some(mut w) = lane.writer.try_lock() {
                 let result = w.write(&req);
                 drop(w);
                 if let Some(done) = req.done.take() {
@@ -128,7 +157,7 @@ impl PeerLink {
                 return;
             }
         }
-        if let Err(e) = self.queue.send(req) {
+        if let Err(e) = lane.queue.send(req) {
             if let Some(done) = e.into_inner().done {
                 done(Err(io::Error::new(io::ErrorKind::BrokenPipe, "link is closed")));
             }
@@ -142,51 +171,74 @@ impl PeerLink {
         self.send(SendReq { header, data, done: Some(Box::new(move |_| drop(payload))) });
     }
 
-    /// Sends a control frame (Abort, Close) ahead of queued data, at the next frame boundary.
+    /// Sends a control frame (Abort, Close) on every lane ahead of queued data, at the next
+    /// frame boundary. `done` runs once, when every lane has written it (or failed to).
     pub fn send_urgent(&self, kind: FrameKind, payload: Vec<u8>, done: Option<SendDone>) {
         let header = FrameHeader { kind: kind as u8, nbytes: payload.len() as u64, ..Default::default() };
-        let data = SendBuf { ptr: payload.as_ptr(), len: payload.len() };
-        // The payload must live until written: leak it into the closure, which frees it.
-        let done: SendDone = Box::new(move |r| {
-            drop(payload);
-            if let Some(d) = done {
-                d(r)
-            }
-        });
-        let _ = self.urgent.send(SendReq { header, data, done: Some(done) });
+        let payload = Arc::new(payload);
+        let done = Arc::new(Mutex::new((self.lanes.len(), done, Ok(()))));
+        for lane in &self.lanes {
+            let data = SendBuf { ptr: payload.as_ptr(), len: payload.len() };
+            // The payload must live until written: each lane's closure holds it.
+            let (payload, done) = (payload.clone(), done.clone());
+            let on_written: SendDone = Box::new(move |r: io::Result<()>| {
+                drop(payload);
+                let mut d = done.lock();
+                if let Err(e) = r {
+                    if d.2.is_ok() {
+                        d.2 = Err(e);
+                    }
+                }
+                d.0 -= 1;
+                if d.0 == 0 {
+                    let result = std::mem::replace(&mut d.2, Ok(()));
+                    if let Some(f) = d.1.take() {
+                        drop(d);
+                        f(result);
+                    }
+                }
+            });
+            let _ = lane.urgent.send(SendReq { header, data, done: Some(on_written) });
+        }
     }
 
-    /// Time since anything (data or heartbeat) arrived from this peer.
+    /// Time since anything (data or heartbeat) arrived on the most silent lane to this peer.
     pub fn silent_for(&self) -> Duration {
         let now = self.epoch_start.elapsed();
-        now.saturating_sub(Duration::from_nanos(self.last_rx.load(Ordering::Relaxed)))
+        let last = self.lanes.iter().map(|l| l.last_rx.load(Ordering::Relaxed)).min().unwrap_or(0);
+        now.saturating_sub(Duration::from_nanos(last))
     }
 
     /// Stops reading (a blocked read returns at once) without telling the peer anything, so
     /// control frames queued for it can still go out before the connection closes.
     pub fn stop_reading(&self) {
         self.deaf.store(true, Ordering::SeqCst);
-        let _ = self.stream.shutdown(Shutdown::Read);
-        self.read.wake();
+        for lane in &self.lanes {
+            let _ = lane.stream.shutdown(Shutdown::Read);
+            lane.read.wake();
+        }
     }
 
     /// Lets the thread waiting for a small operation read this link itself (see `reader`).
     pub fn set_caller_mode(&self, on: bool) {
-        self.read.set_caller_mode(on);
+        for lane in &self.lanes {
+            lane.read.set_caller_mode(on);
+        }
     }
 
     /// Ends both directions now: blocked reads and writes return at once.
     pub fn shutdown(&self) {
         self.deaf.store(true, Ordering::SeqCst);
         self.closing.store(true, Ordering::SeqCst);
-        let _ = self.stream.shutdown(Shutdown::Both);
-        self.read.wake();
+        for lane in &self.lanes {
+            let _ = lane.stream.shutdown(Shutdown::Both);
+            lane.read.wake();
+        }
     }
 
-    /// Shuts the socket down and joins both threads.
+    /// Shuts the sockets down and joins every thread.
     pub fn join(&self) {
         self.shutdown();
-        // Closing the queues lets the sender thread exit even when it is idle.
         let threads: Vec<_> = self.threads.lock().drain(..).collect();
         for t in threads {
             let _ = t.join();
