@@ -309,3 +309,33 @@ fn ranks_disagreeing_on_streams_fail_naming_the_setting() {
     let errs: Vec<String> = handles.into_iter().map(|h| h.join().unwrap()).collect();
     assert!(errs.iter().any(|e| e.contains("PLAIT_STREAMS")), "{errs:?}");
 }
+
+/// Receiver threads wait for several hundred KiB per wake-up while reading a large payload; a
+/// message whose tail is shorter than that, with nothing sent after it, must still arrive.
+#[test]
+fn large_messages_arrive_when_nothing_follows_them() {
+    let results = world_with(2, 0, |cfg| cfg.timeout = Duration::from_secs(5), |comm| {
+        let mut errs = Vec::new();
+        for len in [40_000usize, 65_537, 262_143, 262_145, 300_007, 524_289, 1_048_577, 3_000_001] {
+            let mut msg: Vec<u8> = (0..len).map(|i| (i * 7 + len) as u8).collect();
+            let mut got = vec![0u8; len];
+            let buf = |v: &mut Vec<u8>| RawBuf { ptr: v.as_mut_ptr(), len: v.len() };
+            let other = 1 - comm.rank();
+            // Ping-pong: each message is the last thing its sender sends until it hears back.
+            let result = if comm.rank() == 0 {
+                comm.send(buf(&mut msg), DType::U8, other, 3, None, true).and_then(|w| w.wait(None).unwrap())
+                    .and_then(|_| comm.recv(buf(&mut got), DType::U8, Some(other), 3, None, true)?.wait(None).unwrap())
+            } else {
+                comm.recv(buf(&mut got), DType::U8, Some(other), 3, None, true).and_then(|w| w.wait(None).unwrap())
+                    .and_then(|_| comm.send(buf(&mut msg), DType::U8, other, 3, None, true)?.wait(None).unwrap())
+            };
+            match result {
+                Err(e) => errs.push(format!("{len} bytes: {e}")),
+                Ok(_) if got != msg => errs.push(format!("{len} bytes: wrong contents")),
+                Ok(_) => {}
+            }
+        }
+        errs
+    });
+    assert!(results.iter().all(|e| e.is_empty()), "{results:?}");
+}

@@ -104,6 +104,10 @@ pub struct Mailbox {
     pub pool: super::pool::BufferPool,
 }
 
+/// Large reducing receives are read and reduced this much at a time, so each piece is reduced
+/// while it is still in the cache it was received into (a multiple of every element size).
+const REDUCE_PIECE: usize = 256 * 1024;
+
 thread_local! {
     static REDUCE_TMP: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
     static DECODE_TMP: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
@@ -421,6 +425,20 @@ fn land_from_stream(peer: usize, h: &FrameHeader, payload: &mut dyn Read, p: &Po
             let dst = unsafe { super::bytes_mut(*dst, p.len) };
             payload.read_exact(dst)?;
         }
+        (Landing::Reduce { .. }, Wire::Native) if p.len > REDUCE_PIECE => {
+            REDUCE_TMP.with(|tmp| -> io::Result<()> {
+                let mut tmp = tmp.borrow_mut();
+                tmp.resize(REDUCE_PIECE, 0);
+                let mut at = 0;
+                while at < p.len {
+                    let n = REDUCE_PIECE.min(p.len - at);
+                    payload.read_exact(&mut tmp[..n])?;
+                    reduce_landing_at(&p.landing, at, &tmp[..n]);
+                    at += n;
+                }
+                Ok(())
+            })?
+        }
         _ => REDUCE_TMP.with(|tmp| -> io::Result<()> {
             let mut tmp = tmp.borrow_mut();
             tmp.resize(h.nbytes as usize, 0);
@@ -475,14 +493,21 @@ fn land_part(landing: &Landing, len: usize, wire: Wire, wire_bytes: &[u8]) {
 }
 
 fn reduce_landing(landing: &Landing, len: usize, incoming: &[u8]) {
+    debug_assert_eq!(len, incoming.len());
+    reduce_landing_at(landing, 0, incoming);
+}
+
+/// Reduces `incoming` into the landing's bytes `at..at + incoming.len()`.
+fn reduce_landing_at(landing: &Landing, at: usize, incoming: &[u8]) {
     if let Landing::Reduce { dst, with, dtype, op, lock } = landing {
         let _guard = lock.lock();
+        let len = incoming.len();
+        // SAFETY: the posted receive covers `at + len` bytes of dst and with.
+        let d = unsafe { super::bytes_mut(dst.add(at), len) };
         if std::ptr::eq(*dst as *const u8, *with) {
-            let d = unsafe { super::bytes_mut(*dst, len) };
             kernels::reduce_into(d, incoming, *dtype, *op);
         } else {
-            let d = unsafe { super::bytes_mut(*dst, len) };
-            let w = unsafe { super::bytes(*with, len) };
+            let w = unsafe { super::bytes(with.add(at), len) };
             kernels::reduce_from(d, w, incoming, *dtype, *op);
         }
     }

@@ -235,7 +235,7 @@ impl Run<'_> {
             debug_assert_eq!(kept, len, "output regions of one operation are disjoint segments");
             return;
         }
-        saved.copy[off..off + len].copy_from_slice(unsafe { bytes(ptr, len) });
+        kernels::copy_streaming(&mut saved.copy[off..off + len], unsafe { bytes(ptr, len) });
         saved.regions.insert(off, len);
     }
 

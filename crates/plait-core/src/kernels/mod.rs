@@ -28,6 +28,36 @@ mod tests;
 /// three i64 blocks) to stay in L1 and on any thread's stack.
 const BLOCK: usize = 256;
 
+/// Copies `src` to `dst` (same length) with streaming stores where the CPU has them: the copy
+/// is written to memory without passing through the cache. For copies nobody reads soon (the
+/// output kept for restoring after a failure), so they neither evict the data a transfer is
+/// about to use nor pay a read of the destination first.
+pub fn copy_streaming(dst: &mut [u8], src: &[u8]) {
+    assert_eq!(dst.len(), src.len(), "copy_streaming: lengths differ");
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_sfence, _mm_stream_si128};
+        // Up to the first 16-byte aligned byte of dst, then whole aligned blocks, then the tail.
+        let head = dst.as_ptr().align_offset(16).min(dst.len());
+        dst[..head].copy_from_slice(&src[..head]);
+        let blocks = (dst.len() - head) / 16;
+        // SAFETY: x86_64 always has SSE2; every block lies inside both slices, dst blocks are
+        // 16-byte aligned (as _mm_stream_si128 requires), src loads are unaligned loads.
+        unsafe {
+            let d = dst.as_mut_ptr().add(head) as *mut __m128i;
+            let s = src.as_ptr().add(head) as *const __m128i;
+            for k in 0..blocks {
+                _mm_stream_si128(d.add(k), _mm_loadu_si128(s.add(k)));
+            }
+            _mm_sfence();
+        }
+        let done = head + blocks * 16;
+        dst[done..].copy_from_slice(&src[done..]);
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    dst.copy_from_slice(src);
+}
+
 /// dst[i] = dst[i] (+) src[i], where (+) is `op.combiner()`. Byte slices hold `dtype` elements
 /// in native byte order. Mismatched lengths are a caller bug (debug assertion); release builds
 /// process the whole elements common to both.

@@ -419,3 +419,16 @@ fn mismatched_lengths_assert_in_debug_and_use_common_prefix_in_release() {
     reduce_from(&mut d, &[1, 2, 3, 4], &[1, 1], DType::U8, ReduceOp::Sum);
     assert_eq!(d, [2, 3, 0, 0]);
 }
+
+#[test]
+fn streaming_copy_matches_plain_copy_at_every_alignment() {
+    let src = random(DType::U8, 4096 + 64, 7);
+    for offset in 0..17 {
+        for len in [0usize, 1, 15, 16, 17, 31, 33, 1000, 4096] {
+            let mut dst = vec![0xAAu8; len + 40];
+            copy_streaming(&mut dst[offset..offset + len], &src[3..3 + len]);
+            assert_eq!(&dst[offset..offset + len], &src[3..3 + len], "offset {offset} len {len}");
+            assert!(dst[..offset].iter().chain(&dst[offset + len..]).all(|b| *b == 0xAA), "wrote outside");
+        }
+    }
+}
