@@ -637,6 +637,40 @@ pub fn tune_stream(s: &TcpStream) -> io::Result<()> {
     Ok(())
 }
 
+/// Raises both socket buffers of a data link to twice its bandwidth-delay product where Linux
+/// autotuning could not reach that (its maximum, `tcp_rmem`/`tcp_wmem`, is below it) and the
+/// system cap allows more. Returns the buffer size set, if any. A link whose window is smaller
+/// than its bandwidth-delay product cannot be filled by one stream (see also `PLAIT_STREAMS`).
+pub fn fit_buffers_to_bdp(s: &TcpStream, bdp_bytes: usize) -> Option<usize> {
+    let (auto_max, cap) = buffer_limits()?;
+    let size = buffer_for_bdp(bdp_bytes, auto_max, cap)?;
+    let sock = SockRef::from(s);
+    (sock.set_recv_buffer_size(size).is_ok() && sock.set_send_buffer_size(size).is_ok()).then_some(size)
+}
+
+/// The buffer a link with this bandwidth-delay product needs, when autotuning (up to
+/// `auto_max`) falls short and the cap allows more: twice the product, within the cap.
+fn buffer_for_bdp(bdp_bytes: usize, auto_max: usize, cap: usize) -> Option<usize> {
+    let want = bdp_bytes.saturating_mul(2);
+    (want > auto_max && cap > auto_max).then(|| want.min(cap))
+}
+
+/// (the smaller autotuning maximum, the smaller system cap) of the receive and send sides.
+#[cfg(target_os = "linux")]
+fn buffer_limits() -> Option<(usize, usize)> {
+    let read = |p: &str| std::fs::read_to_string(p).ok();
+    let third = |p: &str| read(p).and_then(|s| s.split_whitespace().nth(2)?.parse::<usize>().ok());
+    let one = |p: &str| read(p).and_then(|s| s.trim().parse::<usize>().ok());
+    let auto_max = third("/proc/sys/net/ipv4/tcp_rmem")?.min(third("/proc/sys/net/ipv4/tcp_wmem")?);
+    let cap = one("/proc/sys/net/core/rmem_max")?.min(one("/proc/sys/net/core/wmem_max")?);
+    Some((auto_max, cap))
+}
+
+#[cfg(not(target_os = "linux"))]
+fn buffer_limits() -> Option<(usize, usize)> {
+    None
+}
+
 #[derive(Clone, Copy)]
 enum Dir {
     Send,
@@ -891,6 +925,16 @@ mod tests {
         let l = Listener::bind_with(hello("g", 1, 0, 0, 2), port, HANDSHAKE_TIMEOUT).unwrap();
         l.accept_from(1, soon(5000)).unwrap();
         c.join().unwrap().unwrap();
+    }
+
+    #[test]
+    fn buffers_grow_to_the_bandwidth_delay_product_only_past_autotuning() {
+        let mib = 1 << 20;
+        // 10 Gbit/s at 40 ms: 50 MB in flight; autotuning stops at 6 MiB.
+        assert_eq!(buffer_for_bdp(50_000_000, 6 * mib, 256 * mib), Some(100_000_000));
+        assert_eq!(buffer_for_bdp(50_000_000, 6 * mib, 64 * mib), Some(64 * mib), "held to the cap");
+        assert_eq!(buffer_for_bdp(1_000_000, 6 * mib, 256 * mib), None, "autotuning reaches it");
+        assert_eq!(buffer_for_bdp(50_000_000, 6 * mib, 4 * mib), None, "the cap would shrink it");
     }
 
     #[test]

@@ -138,6 +138,13 @@ impl PeerLink {
         self.lanes.len()
     }
 
+    /// Sizes every lane's socket buffers for a link of `bdp_bytes` in flight (see
+    /// `link::fit_buffers_to_bdp`); returns the size set, if any.
+    pub fn fit_buffers_to_bdp(&self, bdp_bytes: usize) -> Option<usize> {
+        let per_lane = bdp_bytes.div_ceil(self.lanes.len());
+        self.lanes.iter().map(|l| super::link::fit_buffers_to_bdp(&l.stream, per_lane)).last().flatten()
+    }
+
     /// Queues a frame. `done` runs once it is written (or failed): on this thread when the
     /// frame is small and its lane idle, else on that lane's sender thread.
     pub fn send(&self, mut req: SendReq) {
