@@ -36,12 +36,68 @@ pub struct Expect {
     pub what: Arc<str>,
 }
 
+/// Where the bytes of one output region go before anything overwrites them, so that a failed
+/// operation can put them back. One per region, shared by everything that writes the region
+/// (receives on any receiver thread, the operation's own local steps). Writers keep the region
+/// from its start up to the end of what they are about to write, on their own thread, just
+/// before writing: a receive never waits for a copy to be posted, a region nobody wrote is never
+/// copied, and a receive landing piece by piece copies each piece while it is in the cache it
+/// is about to be reduced or received in.
+pub struct Keep {
+    region: *mut u8,
+    copy: *mut u8,
+    len: usize,
+    /// Bytes of the region kept so far, from its start.
+    kept: Mutex<usize>,
+}
+// SAFETY: both pointers refer to buffers the operation keeps alive until every transfer has
+// completed or been cancelled; `kept` serialises the copying.
+unsafe impl Send for Keep {}
+unsafe impl Sync for Keep {}
+
+impl Keep {
+    /// # Safety
+    /// `region` and `copy` must be valid for `len` bytes for as long as the Keep is used.
+    pub unsafe fn new(region: *mut u8, copy: *mut u8, len: usize) -> Keep {
+        Keep { region, copy, len, kept: Mutex::new(0) }
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Call before writing anything below byte `end` of the region.
+    pub fn before_write(&self, end: usize) {
+        let end = end.min(self.len);
+        let mut kept = self.kept.lock();
+        if *kept < end {
+            let (a, n) = (*kept, end - *kept);
+            // Streaming stores: the copy is only read back after a failure.
+            // SAFETY: a..a + n lies inside both buffers (see `new`).
+            kernels::copy_streaming(unsafe { super::bytes_mut(self.copy.add(a), n) }, unsafe { super::bytes(self.region.add(a), n) });
+            *kept = end;
+        }
+    }
+
+    /// Puts back what was kept (everything anybody was about to overwrite).
+    pub fn restore(&self) {
+        let kept = *self.kept.lock();
+        unsafe { super::bytes_mut(self.region, kept) }.copy_from_slice(unsafe { super::bytes(self.copy, kept) });
+    }
+}
+
+fn before_write(keep: &Option<Arc<Keep>>, end: usize) {
+    if let Some(k) = keep {
+        k.before_write(end);
+    }
+}
+
 pub enum Landing {
     /// Read the payload into `dst`.
-    Copy { dst: *mut u8 },
+    Copy { dst: *mut u8, keep: Option<Arc<Keep>> },
     /// `dst = with (+) payload`; `with` may equal `dst` (accumulate). `lock` serialises
     /// accumulations into the same destination by different receiver threads.
-    Reduce { dst: *mut u8, with: *const u8, dtype: DType, op: ReduceOp, lock: Arc<Mutex<()>> },
+    Reduce { dst: *mut u8, with: *const u8, dtype: DType, op: ReduceOp, lock: Arc<Mutex<()>>, keep: Option<Arc<Keep>> },
     /// Several small transfers of one step from the same peer, sent as one frame: the payload
     /// is their wire bytes back to back, in ordinal order.
     Bundle(Vec<Part>),
@@ -421,9 +477,14 @@ fn land_from_stream(peer: usize, h: &FrameHeader, payload: &mut dyn Read, p: &Po
         return Ok(Err(e));
     }
     match (&p.landing, p.wire) {
-        (Landing::Copy { dst }, Wire::Native) => {
+        (Landing::Copy { dst, keep }, Wire::Native) => {
             let dst = unsafe { super::bytes_mut(*dst, p.len) };
-            payload.read_exact(dst)?;
+            // Piece by piece: each piece is kept just before the socket overwrites it.
+            for at in (0..p.len).step_by(REDUCE_PIECE) {
+                let end = (at + REDUCE_PIECE).min(p.len);
+                before_write(keep, end);
+                payload.read_exact(&mut dst[at..end])?;
+            }
         }
         (Landing::Reduce { .. }, Wire::Native) if p.len > REDUCE_PIECE => {
             REDUCE_TMP.with(|tmp| -> io::Result<()> {
@@ -470,12 +531,19 @@ fn land_part(landing: &Landing, len: usize, wire: Wire, wire_bytes: &[u8]) {
                 at += part.wire_len;
             }
         }
-        Landing::Copy { dst } if wire == Wire::Native => unsafe { super::bytes_mut(*dst, len) }.copy_from_slice(wire_bytes),
-        Landing::Copy { dst } => codec::decode(wire, wire_bytes, unsafe { super::bytes_mut(*dst, len) }),
+        Landing::Copy { dst, keep } if wire == Wire::Native => {
+            before_write(keep, len);
+            unsafe { super::bytes_mut(*dst, len) }.copy_from_slice(wire_bytes)
+        }
+        Landing::Copy { dst, keep } => {
+            before_write(keep, len);
+            codec::decode(wire, wire_bytes, unsafe { super::bytes_mut(*dst, len) })
+        }
         Landing::Reduce { .. } if wire == Wire::Native => reduce_landing(landing, len, wire_bytes),
-        Landing::Reduce { dst, with, dtype, op, lock } if *dtype == DType::F32 && op.combiner() == ReduceOp::Sum => {
+        Landing::Reduce { dst, with, dtype, op, lock, keep } if *dtype == DType::F32 && op.combiner() == ReduceOp::Sum => {
             // Decoded and added in one pass, no temporary.
             let _guard = lock.lock();
+            before_write(keep, len);
             let d = unsafe { super::bytes_mut(*dst, len) };
             if std::ptr::eq(*dst as *const u8, *with) {
                 codec::decode_add_into(wire, wire_bytes, d);
@@ -499,9 +567,10 @@ fn reduce_landing(landing: &Landing, len: usize, incoming: &[u8]) {
 
 /// Reduces `incoming` into the landing's bytes `at..at + incoming.len()`.
 fn reduce_landing_at(landing: &Landing, at: usize, incoming: &[u8]) {
-    if let Landing::Reduce { dst, with, dtype, op, lock } = landing {
+    if let Landing::Reduce { dst, with, dtype, op, lock, keep } = landing {
         let _guard = lock.lock();
         let len = incoming.len();
+        before_write(keep, at + len);
         // SAFETY: the posted receive covers `at + len` bytes of dst and with.
         let d = unsafe { super::bytes_mut(dst.add(at), len) };
         if std::ptr::eq(*dst as *const u8, *with) {

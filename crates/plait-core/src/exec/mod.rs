@@ -20,7 +20,7 @@ use crate::sched::{Buf, ChunkRef, Collective, LocalOp, Schedule};
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
 use fabric::Fabric;
 use layout::Layout;
-use mailbox::{Expect, Landing, Part, Posted};
+use mailbox::{Expect, Keep, Landing, Part, Posted};
 use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -210,41 +210,47 @@ struct Run<'a> {
     /// every peer unchanged, kept until the step's transfers are done.
     encoded: Mutex<Vec<(usize, ChunkRef, Vec<u8>)>>,
     /// What the output held where this operation wrote, so a failed operation leaves it as it
-    /// was. Saved region by region just before the first write (not all up front), so the copy
-    /// overlaps the first transfers instead of delaying them.
+    /// was: one `Keep` per region written, each copied by its first writer just before it writes
+    /// (not all up front), so the copies overlap the transfers and never delay posting a receive.
     saved: Mutex<Saved>,
 }
 
 struct Saved {
     copy: Vec<u8>,
-    /// Saved regions of the output: byte offset -> length.
-    regions: HashMap<usize, usize>,
+    /// Regions of the output by byte offset.
+    regions: HashMap<usize, Arc<Keep>>,
 }
 
 impl Run<'_> {
-    /// Call before anything writes `len` bytes at `ptr`: keeps the output's old contents there
-    /// (no-op for scratch, and for a region already kept).
-    fn save_before_write(&self, ptr: *const u8, len: usize) {
+    /// The keeper of the output region at `ptr` (None for scratch and input, and for nothing).
+    fn keep_for(&self, ptr: *mut u8, len: usize) -> Option<Arc<Keep>> {
         let (base, p) = (self.output.ptr as usize, ptr as usize);
         if len == 0 || p < base || p + len > base + self.output.len {
-            return;
+            return None;
         }
         let off = p - base;
         let mut saved = self.saved.lock();
-        if let Some(&kept) = saved.regions.get(&off) {
-            debug_assert_eq!(kept, len, "output regions of one operation are disjoint segments");
-            return;
+        let copy = saved.copy.as_mut_ptr();
+        let keep = saved.regions.entry(off).or_insert_with(|| {
+            // SAFETY: the region is inside the output and the copy has the output's length;
+            // both outlive every transfer of this operation.
+            Arc::new(unsafe { Keep::new(ptr, copy.add(off), len) })
+        });
+        debug_assert_eq!(keep.len(), len, "output regions of one operation are disjoint segments");
+        Some(keep.clone())
+    }
+
+    /// Call before this thread writes `len` bytes at `ptr` itself (local steps, encoding).
+    fn save_before_write(&self, ptr: *const u8, len: usize) {
+        if let Some(k) = self.keep_for(ptr as *mut u8, len) {
+            k.before_write(len);
         }
-        kernels::copy_streaming(&mut saved.copy[off..off + len], unsafe { bytes(ptr, len) });
-        saved.regions.insert(off, len);
     }
 
     /// Puts back what the output held wherever this operation wrote.
     fn restore_output(&self) {
-        let saved = self.saved.lock();
-        let out = unsafe { bytes_mut(self.output.ptr, self.output.len) };
-        for (&off, &len) in &saved.regions {
-            out[off..off + len].copy_from_slice(&saved.copy[off..off + len]);
+        for keep in self.saved.lock().regions.values() {
+            keep.restore();
         }
     }
 
@@ -326,12 +332,14 @@ impl Run<'_> {
                 let peer = r.peer as usize;
                 ordinal[peer] += 1;
                 let Some((dst, len, elems)) = self.seg_ptr(r.dst, s)? else { continue };
-                self.save_before_write(dst, len);
+                // The receive itself keeps what it overwrites, on the thread that lands it.
+                let keep = self.keep_for(dst, len);
                 let landing = match r.reduce_with {
-                    None => Landing::Copy { dst },
+                    None => Landing::Copy { dst, keep },
                     Some(w) => {
                         let (with, _, _) = self.seg_ptr(w, s)?.expect("verified: same block size");
-                        Landing::Reduce { dst, with, dtype: self.spec.dtype, op: self.spec.op.combiner(), lock: self.locks.clone() }
+                        let (dtype, op, lock) = (self.spec.dtype, self.spec.op.combiner(), self.locks.clone());
+                        Landing::Reduce { dst, with, dtype, op, lock, keep }
                     }
                 };
                 recvs[peer].push((ordinal[peer] - 1, Part { landing, len, wire_len: self.wire_len(len) }, elems));
@@ -706,7 +714,7 @@ pub fn start_recv(fabric: &Fabric, src: Option<usize>, tag: u64, dtype: DType, d
         layout_id: 0,
         what: what.clone(),
     };
-    fabric.mailbox.post_p2p(src, tag, Posted { landing: Landing::Copy { dst: dst.ptr }, len: dst.len, wire: Wire::Native, expect, op_id, token: 0, events: tx });
+    fabric.mailbox.post_p2p(src, tag, Posted { landing: Landing::Copy { dst: dst.ptr, keep: None }, len: dst.len, wire: Wire::Native, expect, op_id, token: 0, events: tx });
     Ok(P2pStarted { rx, start, what, peer: src.unwrap_or(usize::MAX), kind: P2pKind::Recv { dst, snapshot, op_id } })
 }
 
