@@ -67,12 +67,13 @@ def test_sigkill_during_allreduce(n, victim, count, streams):
     assert not problems, "\n".join(problems)
 
 
-@pytest.mark.parametrize("count", [2**20, 256])
-def test_sigstop_hits_deadline(count):
+@pytest.mark.parametrize("count,streams", [(2**20, 1), (256, 1), (2**20, 2)])
+def test_sigstop_hits_deadline(count, streams):
     n, victim, deadline = 3, 2, 3.0
     marks = {}
     res = harness.run_world("cases_faults", n,
                             args={"scenario": "stop", "victim": victim, "timeout": deadline, "count": count},
+                            env={"PLAIT_STREAMS": str(streams)},
                             control=_kill_or_stop(signal.SIGSTOP, victim, marks), timeout=180)
     survivors = [r for r in range(n) if r != victim]
     res.assert_ok(survivors)

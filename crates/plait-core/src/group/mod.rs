@@ -41,12 +41,12 @@ pub const DEFAULT_SEGMENT_BYTES: usize = 1 << 20;
 /// per message, while larger transfers keep one receiver thread per link (links in parallel).
 pub const DEFAULT_CALLER_READ_BYTES: usize = 64 * 1024;
 const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
-/// Two TCP streams per peer unless told otherwise. Measured with 64 MiB allreduces: equal on
-/// loopback and on 1 Gbit/s cables (one stream fills those), 5-10 % faster between two network
-/// namespaces over an unlimited veth pair (two streams spread the per-packet work), and neither
-/// changes small-message latency (small frames always take the first stream). Links with a
-/// large bandwidth-delay product or per-flow limits need more (see the README).
-pub const DEFAULT_STREAMS: usize = 2;
+/// One TCP stream per peer unless told otherwise. Measured with 64 MiB allreduces, two streams
+/// were equal on loopback and on 1 Gbit/s cables (one stream fills those) and 5-10 % faster
+/// between two network namespaces over an unlimited veth pair; but with 4 ranks on 2 cores the
+/// 8-byte allreduce p50 rose about 10 % (0.21-0.24 ms against 0.24-0.27 ms). Links with a large
+/// bandwidth-delay product or per-flow limits want more (see the README).
+pub const DEFAULT_STREAMS: usize = 1;
 pub const MAX_STREAMS: usize = 16;
 /// Async operations run on worker threads; a new one starts whenever none is idle, so an
 /// operation never waits behind another (an async receive posted before its matching send
