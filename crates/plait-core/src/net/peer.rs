@@ -142,7 +142,11 @@ impl PeerLink {
     /// `link::fit_buffers_to_bdp`); returns the size set, if any.
     pub fn fit_buffers_to_bdp(&self, bdp_bytes: usize) -> Option<usize> {
         let per_lane = bdp_bytes.div_ceil(self.lanes.len());
-        self.lanes.iter().map(|l| super::link::fit_buffers_to_bdp(&l.stream, per_lane)).last().flatten()
+        let mut set = None;
+        for lane in &self.lanes {
+            set = super::link::fit_buffers_to_bdp(&lane.stream, per_lane);
+        }
+        set
     }
 
     /// Queues a frame. `done` runs once it is written (or failed): on this thread when the
