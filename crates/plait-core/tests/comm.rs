@@ -339,3 +339,29 @@ fn large_messages_arrive_when_nothing_follows_them() {
     });
     assert!(results.iter().all(|e| e.is_empty()), "{results:?}");
 }
+
+/// A receive aborted while its 256 MiB message is streaming in leaves the buffer as it was.
+#[test]
+fn a_receive_aborted_mid_message_leaves_its_buffer_as_it_was() {
+    let results = world(2, 0, |comm| {
+        let len = 256 << 20;
+        if comm.rank() == 0 {
+            let mut msg = vec![1u8; len];
+            let buf = RawBuf { ptr: msg.as_mut_ptr(), len };
+            // Fails once rank 1 aborts; only the receiver's buffer is judged.
+            let _ = comm.send(buf, DType::U8, 1, 4, None, true).map(|w| w.wait(None));
+            return true;
+        }
+        let mut got = vec![7u8; len];
+        let buf = RawBuf { ptr: got.as_mut_ptr(), len };
+        let c2 = comm.clone();
+        let aborter = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(20));
+            c2.abort("test: abort mid-message");
+        });
+        let result = comm.recv(buf, DType::U8, Some(0), 4, None, true).and_then(|w| w.wait(None).unwrap());
+        aborter.join().unwrap();
+        result.is_err() && got.iter().all(|b| *b == 7)
+    });
+    assert_eq!(results, vec![true, true]);
+}

@@ -160,9 +160,9 @@ pub struct Mailbox {
     pub pool: super::pool::BufferPool,
 }
 
-/// Large reducing receives are read and reduced this much at a time, so each piece is reduced
-/// while it is still in the cache it was received into (a multiple of every element size).
-const REDUCE_PIECE: usize = 256 * 1024;
+/// Receives land this much at a time: each piece is kept (see `Keep`) and, for a reducing
+/// receive, reduced while it is still in cache (a multiple of every element size).
+const LANDING_PIECE: usize = 256 * 1024;
 
 thread_local! {
     static REDUCE_TMP: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
@@ -480,22 +480,20 @@ fn land_from_stream(peer: usize, h: &FrameHeader, payload: &mut dyn Read, p: &Po
         (Landing::Copy { dst, keep }, Wire::Native) => {
             let dst = unsafe { super::bytes_mut(*dst, p.len) };
             // Piece by piece: each piece is kept just before the socket overwrites it.
-            for at in (0..p.len).step_by(REDUCE_PIECE) {
-                let end = (at + REDUCE_PIECE).min(p.len);
+            for at in (0..p.len).step_by(LANDING_PIECE) {
+                let end = (at + LANDING_PIECE).min(p.len);
                 before_write(keep, end);
                 payload.read_exact(&mut dst[at..end])?;
             }
         }
-        (Landing::Reduce { .. }, Wire::Native) if p.len > REDUCE_PIECE => {
+        (Landing::Reduce { .. }, Wire::Native) => {
             REDUCE_TMP.with(|tmp| -> io::Result<()> {
                 let mut tmp = tmp.borrow_mut();
-                tmp.resize(REDUCE_PIECE, 0);
-                let mut at = 0;
-                while at < p.len {
-                    let n = REDUCE_PIECE.min(p.len - at);
-                    payload.read_exact(&mut tmp[..n])?;
-                    reduce_landing_at(&p.landing, at, &tmp[..n]);
-                    at += n;
+                tmp.resize(LANDING_PIECE.min(p.len), 0);
+                for at in (0..p.len).step_by(LANDING_PIECE) {
+                    let piece = &mut tmp[..LANDING_PIECE.min(p.len - at)];
+                    payload.read_exact(piece)?;
+                    reduce_landing_at(&p.landing, at, piece);
                 }
                 Ok(())
             })?
@@ -539,7 +537,7 @@ fn land_part(landing: &Landing, len: usize, wire: Wire, wire_bytes: &[u8]) {
             before_write(keep, len);
             codec::decode(wire, wire_bytes, unsafe { super::bytes_mut(*dst, len) })
         }
-        Landing::Reduce { .. } if wire == Wire::Native => reduce_landing(landing, len, wire_bytes),
+        Landing::Reduce { .. } if wire == Wire::Native => reduce_landing_at(landing, 0, wire_bytes),
         Landing::Reduce { dst, with, dtype, op, lock, keep } if *dtype == DType::F32 && op.combiner() == ReduceOp::Sum => {
             // Decoded and added in one pass, no temporary.
             let _guard = lock.lock();
@@ -555,14 +553,9 @@ fn land_part(landing: &Landing, len: usize, wire: Wire, wire_bytes: &[u8]) {
             let mut t = t.borrow_mut();
             t.resize(len, 0);
             codec::decode(wire, wire_bytes, &mut t[..]);
-            reduce_landing(landing, len, &t[..]);
+            reduce_landing_at(landing, 0, &t[..]);
         }),
     }
-}
-
-fn reduce_landing(landing: &Landing, len: usize, incoming: &[u8]) {
-    debug_assert_eq!(len, incoming.len());
-    reduce_landing_at(landing, 0, incoming);
 }
 
 /// Reduces `incoming` into the landing's bytes `at..at + incoming.len()`.

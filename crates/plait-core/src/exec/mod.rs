@@ -661,7 +661,8 @@ pub struct P2pStarted {
 
 enum P2pKind {
     Send,
-    Recv { dst: RawBuf, snapshot: Vec<u8>, op_id: u64 },
+    /// `keep` holds what the receive overwrote (in `copy`), to put back if it fails.
+    Recv { keep: Arc<Keep>, copy: Vec<u8>, op_id: u64 },
 }
 
 /// Queues `data` for `peer` with `tag`.
@@ -699,8 +700,10 @@ pub fn start_recv(fabric: &Fabric, src: Option<usize>, tag: u64, dtype: DType, d
         return Err(PlaitError::Broken(err.to_string()));
     }
     let start = Instant::now();
-    let mut snapshot = fabric.mailbox.pool.take(dst.len);
-    snapshot.copy_from_slice(unsafe { bytes(dst.ptr, dst.len) });
+    let mut copy = fabric.mailbox.pool.take(dst.len);
+    // SAFETY: dst is the caller's buffer and copy ours, both dst.len bytes, alive until the
+    // receive has completed or been cancelled (finish_p2p).
+    let keep = Arc::new(unsafe { Keep::new(dst.ptr, copy.as_mut_ptr(), dst.len) });
     let (tx, rx) = crossbeam_channel::bounded(1);
     let op_id = fabric.op_id();
     let expect = Expect {
@@ -714,8 +717,8 @@ pub fn start_recv(fabric: &Fabric, src: Option<usize>, tag: u64, dtype: DType, d
         layout_id: 0,
         what: what.clone(),
     };
-    fabric.mailbox.post_p2p(src, tag, Posted { landing: Landing::Copy { dst: dst.ptr, keep: None }, len: dst.len, wire: Wire::Native, expect, op_id, token: 0, events: tx });
-    Ok(P2pStarted { rx, start, what, peer: src.unwrap_or(usize::MAX), kind: P2pKind::Recv { dst, snapshot, op_id } })
+    fabric.mailbox.post_p2p(src, tag, Posted { landing: Landing::Copy { dst: dst.ptr, keep: Some(keep.clone()) }, len: dst.len, wire: Wire::Native, expect, op_id, token: 0, events: tx });
+    Ok(P2pStarted { rx, start, what, peer: src.unwrap_or(usize::MAX), kind: P2pKind::Recv { keep, copy, op_id } })
 }
 
 /// Waits for a started transfer; returns the peer it was with. On failure a receive's buffer
@@ -740,14 +743,14 @@ pub fn finish_p2p(fabric: &Fabric, p: P2pStarted, timeout: Duration) -> Result<u
                 // caller's memory free of it.
                 let _ = p.rx.recv_timeout(Duration::from_secs(10));
             }
-            if let P2pKind::Recv { dst, snapshot, .. } = &p.kind {
-                unsafe { bytes_mut(dst.ptr, dst.len) }.copy_from_slice(snapshot);
+            if let P2pKind::Recv { keep, .. } = &p.kind {
+                keep.restore();
             }
             Err(with_waited(first.for_op(&p.what), p.start.elapsed()))
         }
     };
-    if let P2pKind::Recv { snapshot, .. } = p.kind {
-        fabric.mailbox.pool.give(snapshot);
+    if let P2pKind::Recv { copy, .. } = p.kind {
+        fabric.mailbox.pool.give(copy);
     }
     result
 }

@@ -87,42 +87,28 @@ fn env_nonempty(name: &str) -> Option<String> {
     std::env::var(name).ok().filter(|v| !v.trim().is_empty())
 }
 
+/// A numeric setting from the environment: None when unset, a `ConfigError` saying it must be
+/// `what` when it does not parse or fails `ok`.
+fn env_number<T: std::str::FromStr>(name: &str, ok: impl Fn(&T) -> bool, what: &str) -> Result<Option<T>> {
+    env_nonempty(name)
+        .map(|v| v.trim().parse::<T>().ok().filter(|n| ok(n)).ok_or_else(|| PlaitError::Config(format!("{name}={v:?} must be {what}"))))
+        .transpose()
+}
+
 impl CommConfig {
     /// Defaults, taking `PLAIT_TIMEOUT`, `PLAIT_ALGO`, `PLAIT_SEGMENT_BYTES` and `PLAIT_IFACE`
     /// from the environment.
     pub fn from_env(rank: usize, size: usize) -> Result<CommConfig> {
-        let timeout = match env_nonempty("PLAIT_TIMEOUT") {
-            Some(v) => Duration::from_secs_f64(
-                v.parse::<f64>().ok().filter(|s| *s > 0.0).ok_or_else(|| {
-                    PlaitError::Config(format!("PLAIT_TIMEOUT={v:?} is not a positive number of seconds"))
-                })?,
-            ),
-            None => DEFAULT_TIMEOUT,
-        };
-        let segment_bytes = match env_nonempty("PLAIT_SEGMENT_BYTES") {
-            Some(v) => v.parse::<usize>().ok().filter(|s| *s >= 1024).ok_or_else(|| {
-                PlaitError::Config(format!("PLAIT_SEGMENT_BYTES={v:?} must be an integer >= 1024"))
-            })?,
-            None => DEFAULT_SEGMENT_BYTES,
-        };
-        let caller_read_bytes = match env_nonempty("PLAIT_CALLER_READ_BYTES") {
-            Some(v) => v.parse::<usize>().map_err(|_| {
-                PlaitError::Config(format!("PLAIT_CALLER_READ_BYTES={v:?} must be a number of bytes (0 turns caller reads off)"))
-            })?,
-            None => DEFAULT_CALLER_READ_BYTES,
-        };
-        let busy_poll = match env_nonempty("PLAIT_BUSY_POLL_US") {
-            Some(v) => Duration::from_micros(v.parse::<u64>().map_err(|_| {
-                PlaitError::Config(format!("PLAIT_BUSY_POLL_US={v:?} must be a number of microseconds (0 turns busy polling off)"))
-            })?),
-            None => Duration::ZERO,
-        };
-        let streams = match env_nonempty("PLAIT_STREAMS") {
-            Some(v) => v.parse::<usize>().ok().filter(|n| (1..=MAX_STREAMS).contains(n)).ok_or_else(|| {
-                PlaitError::Config(format!("PLAIT_STREAMS={v:?} must be a number of connections per peer from 1 to {MAX_STREAMS}"))
-            })?,
-            None => DEFAULT_STREAMS,
-        };
+        let timeout = env_number("PLAIT_TIMEOUT", |s: &f64| *s > 0.0, "a positive number of seconds")?
+            .map_or(DEFAULT_TIMEOUT, Duration::from_secs_f64);
+        let segment_bytes =
+            env_number("PLAIT_SEGMENT_BYTES", |s: &usize| *s >= 1024, "an integer >= 1024")?.unwrap_or(DEFAULT_SEGMENT_BYTES);
+        let caller_read_bytes = env_number("PLAIT_CALLER_READ_BYTES", |_: &usize| true, "a number of bytes (0 turns caller reads off)")?
+            .unwrap_or(DEFAULT_CALLER_READ_BYTES);
+        let busy_poll = env_number("PLAIT_BUSY_POLL_US", |_: &u64| true, "a number of microseconds (0 turns busy polling off)")?
+            .map_or(Duration::ZERO, Duration::from_micros);
+        let streams = env_number("PLAIT_STREAMS", |n: &usize| (1..=MAX_STREAMS).contains(n), &format!("a number of connections per peer from 1 to {MAX_STREAMS}"))?
+            .unwrap_or(DEFAULT_STREAMS);
         Ok(CommConfig {
             rank,
             size,

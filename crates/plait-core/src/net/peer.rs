@@ -79,10 +79,8 @@ struct Lane {
 
 /// Waits up to `wait` for any of `links` (those a caller may read, see `reader`) to have
 /// frames, and reads them on this thread; frames begun are finished by `deadline`.
-pub fn caller_progress<'a>(links: impl Iterator<Item = &'a PeerLink>, wait: Duration, deadline: Instant) -> bool {
-    let sides: Vec<&ReadSide> =
-        links.flat_map(|l| l.lanes.iter()).map(|lane| &*lane.read).filter(|r| r.readable_by_caller()).collect();
-    super::reader::caller_progress(&sides, wait, deadline)
+pub fn caller_progress<'a>(links: impl Iterator<Item = &'a PeerLink> + Clone, wait: Duration, deadline: Instant) -> bool {
+    super::reader::caller_progress(links.flat_map(|l| l.lanes.iter()).map(|lane| &*lane.read), wait, deadline)
 }
 
 impl PeerLink {
@@ -186,29 +184,35 @@ impl PeerLink {
     /// frame boundary. `done` runs once, when every lane has written it (or failed to).
     pub fn send_urgent(&self, kind: FrameKind, payload: Vec<u8>, done: Option<SendDone>) {
         let header = FrameHeader { kind: kind as u8, nbytes: payload.len() as u64, ..Default::default() };
-        let payload = Arc::new(payload);
-        let done = Arc::new(Mutex::new((self.lanes.len(), done, Ok(()))));
+        // The payload lives until the last lane has written it; the first error is reported.
+        struct Fanout {
+            payload: Vec<u8>,
+            lanes_left: usize,
+            first_error: Option<io::Error>,
+            done: Option<SendDone>,
+        }
+        let fanout = Arc::new(Mutex::new(Fanout { payload, lanes_left: self.lanes.len(), first_error: None, done }));
+        let data = {
+            let f = fanout.lock();
+            SendBuf { ptr: f.payload.as_ptr(), len: f.payload.len() }
+        };
         for lane in &self.lanes {
-            let data = SendBuf { ptr: payload.as_ptr(), len: payload.len() };
-            // The payload must live until written: each lane's closure holds it.
-            let (payload, done) = (payload.clone(), done.clone());
+            let fanout = fanout.clone();
             let on_written: SendDone = Box::new(move |r: io::Result<()>| {
-                drop(payload);
-                let mut d = done.lock();
+                let mut f = fanout.lock();
                 if let Err(e) = r {
-                    if d.2.is_ok() {
-                        d.2 = Err(e);
-                    }
+                    f.first_error.get_or_insert(e);
                 }
-                d.0 -= 1;
-                if d.0 == 0 {
-                    let result = std::mem::replace(&mut d.2, Ok(()));
-                    if let Some(f) = d.1.take() {
-                        drop(d);
-                        f(result);
+                f.lanes_left -= 1;
+                if f.lanes_left == 0 {
+                    let result = f.first_error.take().map_or(Ok(()), Err);
+                    if let Some(done) = f.done.take() {
+                        drop(f);
+                        done(result);
                     }
                 }
             });
+            let data = SendBuf { ptr: data.ptr, len: data.len };
             let _ = lane.urgent.send(SendReq { header, data, done: Some(on_written) });
         }
     }

@@ -389,25 +389,39 @@ fn poll_two(a: RawFd, b: RawFd, wait: Option<Duration>) -> (bool, bool) {
     (fds[0].revents != 0, n == 2 && fds[1].revents != 0)
 }
 
-/// Waits up to `wait` until one of `sides` has something to read, then reads what every ready
-/// one has waiting (frames begun are finished by `deadline`). Returns whether anything was read.
-pub(super) fn caller_progress(sides: &[&ReadSide], wait: Duration, deadline: Instant) -> bool {
-    if sides.is_empty() {
-        std::thread::sleep(wait.min(Duration::from_millis(1)));
-        return false;
+/// Waits up to `wait` until one of `sides` a caller may read has something to read, then
+/// reads what every ready one has waiting (frames begun are finished by `deadline`). Returns
+/// whether anything was read. `sides` is walked twice (poll, then read), so it must be Clone;
+/// the poll list is kept per thread, since small operations call this on every wait.
+pub(super) fn caller_progress<'a>(sides: impl Iterator<Item = &'a ReadSide> + Clone, wait: Duration, deadline: Instant) -> bool {
+    thread_local! {
+        static FDS: std::cell::RefCell<Vec<libc::pollfd>> = const { std::cell::RefCell::new(Vec::new()) };
     }
-    let mut fds: Vec<libc::pollfd> = sides.iter().map(|s| libc::pollfd { fd: s.fd(), events: libc::POLLIN, revents: 0 }).collect();
-    // SAFETY: fds is a live array of pollfd of the given length.
-    let r = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, to_poll_ms(Some(wait))) };
-    if r <= 0 {
-        return false;
-    }
-    for (side, fd) in sides.iter().zip(&fds) {
-        if fd.revents != 0 {
-            side.caller_read(deadline);
+    FDS.with(|fds| {
+        let mut fds = fds.borrow_mut();
+        fds.clear();
+        // A side a caller may not read now keeps its slot with fd -1, which poll skips.
+        fds.extend(sides.clone().map(|s| libc::pollfd {
+            fd: if s.readable_by_caller() { s.fd() } else { -1 },
+            events: libc::POLLIN,
+            revents: 0,
+        }));
+        if fds.iter().all(|f| f.fd < 0) {
+            std::thread::sleep(wait.min(Duration::from_millis(1)));
+            return false;
         }
-    }
-    true
+        // SAFETY: fds is a live array of pollfd of the given length.
+        let r = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, to_poll_ms(Some(wait))) };
+        if r <= 0 {
+            return false;
+        }
+        for (side, fd) in sides.zip(fds.iter()) {
+            if fd.revents != 0 {
+                side.caller_read(deadline);
+            }
+        }
+        true
+    })
 }
 
 #[cfg(test)]
