@@ -4,7 +4,7 @@
 use super::mailbox::Mailbox;
 use crate::error::PlaitError;
 use crate::net::frame::FrameKind;
-use crate::net::peer::PeerLink;
+use crate::net::peer::{CallerPoll, PeerLink};
 use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -14,7 +14,10 @@ use std::time::{Duration, Instant};
 pub struct Fabric {
     pub rank: usize,
     pub size: usize,
-    pub links: Vec<Option<Arc<PeerLink>>>,
+    /// Filled by `attach_link`.
+    pub(crate) links: Vec<Option<Arc<PeerLink>>>,
+    /// Every link's lanes, for threads that read the links themselves (`progress`).
+    callers: CallerPoll,
     pub mailbox: Arc<Mailbox>,
     broken: Mutex<Option<PlaitError>>,
     /// Whether threads waiting for operations read the links themselves (see `net::reader`).
@@ -67,18 +70,26 @@ impl AbortReason {
 }
 
 impl Fabric {
-    pub fn new(rank: usize, size: usize, mailbox: Arc<Mailbox>) -> Fabric {
-        Fabric {
+    pub fn new(rank: usize, size: usize, mailbox: Arc<Mailbox>) -> std::io::Result<Fabric> {
+        Ok(Fabric {
             rank,
             size,
             links: (0..size).map(|_| None).collect(),
+            callers: CallerPoll::new()?,
             mailbox,
             broken: Mutex::new(None),
             caller_progress: AtomicBool::new(false),
             busy_poll: Duration::ZERO,
             next_op_id: AtomicU64::new(1),
             p2p_send_next: Mutex::new(HashMap::new()),
-        }
+        })
+    }
+
+    /// Takes the started link to `peer` into the communicator.
+    pub fn attach_link(&mut self, peer: usize, link: Arc<PeerLink>) -> std::io::Result<()> {
+        link.join_caller_poll(&self.callers)?;
+        self.links[peer] = Some(link);
+        Ok(())
     }
 
     pub fn link(&self, peer: usize) -> &PeerLink {
@@ -105,18 +116,17 @@ impl Fabric {
 
     /// Reads, on this thread, frames that arrive within `wait` (see `set_caller_progress`).
     pub fn progress(&self, wait: Duration, frame_deadline: Instant) -> bool {
-        let links = || self.links.iter().flatten().map(|l| &**l);
         let spin = self.busy_poll.min(wait);
         if !spin.is_zero() {
             let until = Instant::now() + spin;
             while Instant::now() < until {
-                if crate::net::peer::caller_progress(links(), Duration::ZERO, frame_deadline) {
+                if self.callers.progress(Duration::ZERO, frame_deadline) {
                     return true;
                 }
                 std::hint::spin_loop();
             }
         }
-        crate::net::peer::caller_progress(links(), wait - spin, frame_deadline)
+        self.callers.progress(wait - spin, frame_deadline)
     }
 
     pub fn op_id(&self) -> u64 {

@@ -259,7 +259,7 @@ impl Communicator {
         let mailbox = Arc::new(Mailbox::new());
         let heartbeat = (cfg.timeout / 4).clamp(Duration::from_millis(50), Duration::from_secs(1));
         let inbox = Arc::new(CommInbox::new(mailbox.clone(), heartbeat));
-        let mut fabric = Fabric::new(rank, size, mailbox);
+        let mut fabric = Fabric::new(rank, size, mailbox)?;
         fabric.busy_poll = cfg.busy_poll;
         let mut routes: Vec<LinkRecord> = Vec::new();
         let mut all_links: Vec<Vec<LinkRecord>> = Vec::new();
@@ -303,7 +303,7 @@ impl Communicator {
                     streams: lanes as usize,
                 });
                 let addr = format!("{}:{}", route.peer_ip, info.port);
-                fabric.links[peer] = Some(PeerLink::start(peer, addr, streams, inbox.clone(), heartbeat)?);
+                fabric.attach_link(peer, PeerLink::start(peer, addr, streams, inbox.clone(), heartbeat)?)?;
             }
             for (peer, info) in infos.iter().enumerate().skip(rank + 1) {
                 let listener = listener.as_ref().unwrap();
@@ -325,7 +325,7 @@ impl Communicator {
                 for lane in 1..lanes {
                     streams.push(listener.accept_lane(peer as u32, lane, deadline)?);
                 }
-                fabric.links[peer] = Some(PeerLink::start(peer, format!("{remote}:{}", info.port), streams, inbox.clone(), heartbeat)?);
+                fabric.attach_link(peer, PeerLink::start(peer, format!("{remote}:{}", info.port), streams, inbox.clone(), heartbeat)?)?;
             }
             Ok(())
         })();

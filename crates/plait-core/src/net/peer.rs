@@ -7,6 +7,7 @@
 
 use super::frame::{FrameHeader, FrameKind, HEADER_LEN};
 use super::reader::ReadSide;
+pub use super::reader::CallerPoll;
 use crossbeam_channel::{Receiver, Sender};
 use parking_lot::Mutex;
 use std::io::{self, Read, Write};
@@ -75,12 +76,6 @@ struct Lane {
     /// Nanoseconds since `epoch_start` when the last byte arrived on this lane.
     last_rx: Arc<AtomicU64>,
     read: Arc<ReadSide>,
-}
-
-/// Waits up to `wait` for any of `links` (those a caller may read, see `reader`) to have
-/// frames, and reads them on this thread; frames begun are finished by `deadline`.
-pub fn caller_progress<'a>(links: impl Iterator<Item = &'a PeerLink> + Clone, wait: Duration, deadline: Instant) -> bool {
-    super::reader::caller_progress(links.flat_map(|l| l.lanes.iter()).map(|lane| &*lane.read), wait, deadline)
 }
 
 impl PeerLink {
@@ -232,6 +227,11 @@ impl PeerLink {
             let _ = lane.stream.shutdown(Shutdown::Read);
             lane.read.wake();
         }
+    }
+
+    /// Registers every lane with the poll that threads waiting for small operations use.
+    pub fn join_caller_poll(&self, poll: &CallerPoll) -> io::Result<()> {
+        self.lanes.iter().try_for_each(|lane| poll.add(&lane.read))
     }
 
     /// Lets the thread waiting for a small operation read this link itself (see `reader`).
