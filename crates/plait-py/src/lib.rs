@@ -342,6 +342,13 @@ fn interfaces(py: Python<'_>) -> PyResult<Vec<Bound<'_, PyDict>>> {
         .collect()
 }
 
+/// This host's identity as the core uses it to decide which ranks share a host (one kernel boot
+/// and one network stack); None where the system does not say.
+#[pyfunction]
+fn host_identity() -> Option<String> {
+    plait_core::platform::host::host_identity()
+}
+
 fn init_logging() {
     if let Ok(level) = std::env::var("PLAIT_DEBUG") {
         let filter = tracing_subscriber::EnvFilter::try_new(format!("plait_core={}", level.to_lowercase()))
@@ -374,6 +381,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyWork>()?;
     m.add_function(wrap_pyfunction!(algorithms, m)?)?;
     m.add_function(wrap_pyfunction!(interfaces, m)?)?;
+    m.add_function(wrap_pyfunction!(host_identity, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

@@ -23,6 +23,7 @@ use crate::net::iface::{list_interfaces, IfaceAddr};
 use crate::net::link::{connect, Hello, Listener};
 use crate::net::peer::PeerLink;
 use crate::net::route::{candidate_routes, IfaceFilter, Route};
+use crate::platform::host::{self, same_host};
 use crate::sched::cost::LinkModel;
 use crate::sched::select::{parse_algo_spec, Selector};
 use crate::sched::Collective;
@@ -137,9 +138,11 @@ impl CommConfig {
 struct PeerInfo {
     rank: usize,
     port: u16,
+    /// For messages only; empty where the system does not say.
     host: String,
-    /// Same boot id and same network namespace: the peer can be reached over loopback.
-    machine: String,
+    /// `platform::host::host_identity`: one kernel boot and one network stack. A peer with the
+    /// same known identity is reached over loopback; `None` (unknown) is never the same host.
+    machine: Option<String>,
     addrs: Vec<IfaceAddr>,
 }
 
@@ -209,14 +212,16 @@ fn ping_all(fabric: &Fabric, deadline: Instant) -> Result<Vec<(usize, Duration)>
     Ok(rtts)
 }
 
-fn machine_id() -> String {
-    let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap_or_default();
-    let netns = std::fs::read_link("/proc/self/ns/net").map(|p| p.display().to_string()).unwrap_or_default();
-    format!("{}/{}", boot.trim(), netns)
-}
-
-fn hostname() -> String {
-    std::fs::read_to_string("/proc/sys/kernel/hostname").map(|s| s.trim().to_string()).unwrap_or_default()
+/// Says that ranks with an unknown host identity count as other hosts. Once per process: every
+/// communicator of the job would repeat it.
+fn warn_host_identity_unknown(ranks: &[usize]) {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        tracing::warn!(
+            "same-host detection is unavailable on this platform for ranks {ranks:?}: they are treated as \
+             ranks on other hosts (no loopback), so ranks that share a host must reach each other over a network"
+        )
+    });
 }
 
 impl Communicator {
@@ -250,8 +255,8 @@ impl Communicator {
         let me = PeerInfo {
             rank,
             port: listener.as_ref().map(|l| l.port()).unwrap_or(0),
-            host: hostname(),
-            machine: machine_id(),
+            host: host::hostname().unwrap_or_default(),
+            machine: host::host_identity(),
             addrs: list_interfaces(),
         };
         store.set(&format!("{prefix}/rank/{rank}"), &serde_json::to_vec(&me).unwrap())?;
@@ -278,10 +283,14 @@ impl Communicator {
                     .map_err(|e| PlaitError::Rendezvous(format!("rank {r} published an unreadable address record: {e}")))?;
                 infos.push(info);
             }
+            let unknown: Vec<usize> = infos.iter().filter(|i| i.machine.is_none()).map(|i| i.rank).collect();
+            if !unknown.is_empty() {
+                warn_host_identity_unknown(&unknown);
+            }
             // Lower ranks listen, higher ranks connect: simultaneous connects cannot deadlock.
             for peer in 0..rank {
                 let info = &infos[peer];
-                let same_host = info.machine == me.machine;
+                let same_host = same_host(info.machine.as_deref(), me.machine.as_deref());
                 let candidates = match &route_file {
                     Some(rf) => vec![rf.route(rank, &me.addrs, peer, &info.addrs)?],
                     None => prefer_dedicated(candidate_routes(&me.addrs, &info.addrs, same_host, filter.as_ref()), &infos, peer),
@@ -316,7 +325,7 @@ impl Communicator {
                     local_iface,
                     local: local_ip.map(|i| i.to_string()).unwrap_or_default(),
                     remote: remote.clone(),
-                    same_host: info.machine == me.machine,
+                    same_host: same_host(info.machine.as_deref(), me.machine.as_deref()),
                     rtt_us: None,
                     reason: format!("rank {peer} ({}) connected from {remote}", info.host),
                     streams: lanes as usize,
@@ -335,7 +344,9 @@ impl Communicator {
             for (peer, rtt) in ping_all(&fabric, deadline)? {
                 if let Some(r) = routes.iter_mut().find(|r| r.peer == peer) {
                     r.rtt_us = Some(rtt.as_secs_f64() * 1e6);
-                    // Bandwidth-delay product from the interface's speed and the measured RTT.
+                    // Bandwidth-delay product from the interface's speed and the measured RTT. An
+                    // interface of unknown speed (loopback, virtual, or a system that does not
+                    // say) keeps the system's buffer autotuning.
                     let speed = me.addrs.iter().find(|a| a.name == r.local_iface).and_then(|a| a.speed_mbps);
                     if let Some(mbps) = speed {
                         let bdp = (mbps as f64 * 1e6 / 8.0 * rtt.as_secs_f64()) as usize;

@@ -63,7 +63,9 @@ pub fn classify(records: &[Vec<LinkRecord>]) -> Topology {
     let mut shared = true;
     for links in records {
         let mut names: Vec<&str> = links.iter().map(|l| l.local_iface.as_str()).collect();
-        let loopback = links.iter().any(|l| l.same_host || l.local_iface.is_empty() || l.local_iface == "lo");
+        // By address, not name: loopback is `lo` on Linux, `lo0` on macOS, a pseudo-adapter on Windows.
+        let on_loopback = |l: &LinkRecord| l.local.parse::<std::net::IpAddr>().is_ok_and(|ip| ip.is_loopback());
+        let loopback = links.iter().any(|l| l.same_host || l.local_iface.is_empty() || on_loopback(l));
         names.sort_unstable();
         let distinct = {
             let mut d = names.clone();
@@ -177,6 +179,10 @@ mod tests {
         mixed[2] = vec![rec(0, "eth0", false), rec(1, "eth0", false)];
         assert_eq!(classify(&mixed), Topology::PartialMesh);
         assert_eq!(classify(&[vec![]]), Topology::Single);
+        // macOS names loopback lo0: two distinct "interfaces" on loopback are no cable mesh.
+        let lo0 = |peer| LinkRecord { local: "127.0.0.1".into(), ..rec(peer, "lo0", false) };
+        let mac_local = vec![vec![lo0(1), LinkRecord { local: "::1".into(), ..rec(2, "lo1", false) }]; 3];
+        assert_eq!(classify(&mac_local), Topology::PartialMesh);
     }
 
     #[test]

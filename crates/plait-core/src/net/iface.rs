@@ -1,8 +1,10 @@
 //! Local interface addresses, as published to peers for route choice.
 //!
 //! Speed and MTU matter because a direct cable and a shared LAN often both reach the same peer;
-//! the route chooser prefers the faster one, so we report what the kernel knows.
+//! the route chooser prefers the faster one, so we report what the system knows
+//! (`platform::link`). The addresses come from if-addrs.
 
+use crate::platform::link::link_info;
 use serde::{Deserialize, Serialize};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
@@ -11,7 +13,10 @@ pub struct IfaceAddr {
     pub name: String,
     pub ip: IpAddr,
     pub prefix: u8,
+    /// `None`: unknown; routes rank it below any known MTU.
     pub mtu: Option<u32>,
+    /// `None`: unknown; routes rank it below any known speed, and the link keeps the system's
+    /// buffer autotuning.
     pub speed_mbps: Option<u32>,
 }
 
@@ -35,9 +40,10 @@ pub fn list_interfaces() -> Vec<IfaceAddr> {
         if is_v6_link_local(&ip) {
             continue;
         }
+        let link = link_info(&i.name);
         let a = IfaceAddr {
-            mtu: sys_value(&i.name, "mtu"),
-            speed_mbps: sys_value(&i.name, "speed"),
+            mtu: link.mtu,
+            speed_mbps: link.speed_mbps,
             name: i.name,
             ip,
             prefix: prefix.min(max_prefix(&ip)),
@@ -102,21 +108,6 @@ pub(crate) fn in_subnet(net: IpAddr, prefix: u8, ip: IpAddr) -> bool {
 
 pub(crate) fn is_v6_link_local(ip: &IpAddr) -> bool {
     matches!(ip, IpAddr::V6(a) if (a.segments()[0] & 0xffc0) == 0xfe80)
-}
-
-/// Reads /sys/class/net/<name>/<what>. Virtual and down interfaces report -1 or fail with EINVAL
-/// for `speed`; both mean "unknown".
-fn sys_value(name: &str, what: &str) -> Option<u32> {
-    if name.is_empty() || name.contains('/') || name.starts_with('.') {
-        return None;
-    }
-    let s = std::fs::read_to_string(format!("/sys/class/net/{name}/{what}")).ok()?;
-    let v: i64 = s.trim().parse().ok()?;
-    if v > 0 && v <= u32::MAX as i64 {
-        Some(v as u32)
-    } else {
-        None
-    }
 }
 
 #[cfg(test)]

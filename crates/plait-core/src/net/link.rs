@@ -16,6 +16,7 @@
 
 use crate::error::PlaitError;
 use crate::net::route::Route;
+use crate::platform::sockbuf;
 use parking_lot::{Condvar, Mutex};
 use socket2::{Domain, Protocol, SockRef, Socket, TcpKeepalive, Type};
 use std::collections::{HashMap, HashSet};
@@ -619,7 +620,8 @@ fn attempt(local: IpAddr, peer: SocketAddr, hello: &[u8], deadline: Instant) -> 
 }
 
 /// Socket options for data links: TCP_NODELAY (schedules send many small messages), keepalive
-/// (a dead host is noticed even if heartbeats stall), and 4 MiB buffers where that helps.
+/// (a dead host is noticed even if heartbeats stall), and 4 MiB buffers where that helps
+/// (`fixed_buffer`).
 pub fn tune_stream(s: &TcpStream) -> io::Result<()> {
     s.set_nodelay(true)?;
     let sock = SockRef::from(s);
@@ -628,73 +630,45 @@ pub fn tune_stream(s: &TcpStream) -> io::Result<()> {
     let ka = ka.with_interval(Duration::from_secs(5)).with_retries(4);
     sock.set_keepalive(true)?;
     let _ = sock.set_tcp_keepalive(&ka);
-    if fixed_buffer_helps(Dir::Recv) {
-        let _ = sock.set_recv_buffer_size(LINK_BUF);
+    let (auto_max, cap) = (sockbuf::autotuning_max(), sockbuf::system_cap());
+    if let Some(size) = fixed_buffer(LINK_BUF, auto_max.recv, cap.recv) {
+        let _ = sock.set_recv_buffer_size(size);
     }
-    if fixed_buffer_helps(Dir::Send) {
-        let _ = sock.set_send_buffer_size(LINK_BUF);
+    if let Some(size) = fixed_buffer(LINK_BUF, auto_max.send, cap.send) {
+        let _ = sock.set_send_buffer_size(size);
     }
     Ok(())
 }
 
-/// Raises both socket buffers of a data link to twice its bandwidth-delay product where Linux
-/// autotuning could not reach that (its maximum, `tcp_rmem`/`tcp_wmem`, is below it) and the
-/// system cap allows more. Returns the buffer size set, if any. A link whose window is smaller
-/// than its bandwidth-delay product cannot be filled by one stream (see also `PLAIT_STREAMS`).
+/// Raises both socket buffers of a data link to twice its bandwidth-delay product where the
+/// system's autotuning could not reach that and its cap allows more (`fixed_buffer`, with the
+/// smaller of the two directions' limits). Returns the buffer size set, if any. A link whose
+/// window is smaller than its bandwidth-delay product cannot be filled by one stream (see also
+/// `PLAIT_STREAMS`).
 pub fn fit_buffers_to_bdp(s: &TcpStream, bdp_bytes: usize) -> Option<usize> {
-    let (auto_max, cap) = buffer_limits()?;
-    let size = buffer_for_bdp(bdp_bytes, auto_max, cap)?;
+    let smaller = |b: sockbuf::BufferSizes| b.recv.zip(b.send).map(|(r, s)| r.min(s));
+    let size = buffer_for_bdp(bdp_bytes, smaller(sockbuf::autotuning_max()), smaller(sockbuf::system_cap()))?;
     let sock = SockRef::from(s);
     (sock.set_recv_buffer_size(size).is_ok() && sock.set_send_buffer_size(size).is_ok()).then_some(size)
 }
 
-/// The buffer a link with this bandwidth-delay product needs, when autotuning (up to
-/// `auto_max`) falls short and the cap allows more: twice the product, within the cap.
-fn buffer_for_bdp(bdp_bytes: usize, auto_max: usize, cap: usize) -> Option<usize> {
-    let want = bdp_bytes.saturating_mul(2);
+/// The buffer a link with this bandwidth-delay product needs: twice the product (`fixed_buffer`).
+fn buffer_for_bdp(bdp_bytes: usize, auto_max: Option<usize>, cap: Option<usize>) -> Option<usize> {
+    fixed_buffer(bdp_bytes.saturating_mul(2), auto_max, cap)
+}
+
+/// The fixed size worth giving a socket buffer that should hold `want` bytes, given how far the
+/// system's autotuning grows it (`auto_max`) and the most a program may set (`cap`); `None`:
+/// leave autotuning alone.
+///
+/// One rule on every system: setting SO_RCVBUF/SO_SNDBUF turns autotuning off (Linux, macOS
+/// and Windows alike) and the system silently holds the size to its cap, so a fixed size helps
+/// only when autotuning stops short of `want` and the cap reaches past autotuning; then it is
+/// `want`, within the cap. Where either figure is unknown (`platform::sockbuf`), a guess would
+/// more likely shrink a fast link's window than grow it, so nothing is set.
+fn fixed_buffer(want: usize, auto_max: Option<usize>, cap: Option<usize>) -> Option<usize> {
+    let (auto_max, cap) = (auto_max?, cap?);
     (want > auto_max && cap > auto_max).then(|| want.min(cap))
-}
-
-/// (the smaller autotuning maximum, the smaller system cap) of the receive and send sides.
-#[cfg(target_os = "linux")]
-fn buffer_limits() -> Option<(usize, usize)> {
-    let read = |p: &str| std::fs::read_to_string(p).ok();
-    let third = |p: &str| read(p).and_then(|s| s.split_whitespace().nth(2)?.parse::<usize>().ok());
-    let one = |p: &str| read(p).and_then(|s| s.trim().parse::<usize>().ok());
-    let auto_max = third("/proc/sys/net/ipv4/tcp_rmem")?.min(third("/proc/sys/net/ipv4/tcp_wmem")?);
-    let cap = one("/proc/sys/net/core/rmem_max")?.min(one("/proc/sys/net/core/wmem_max")?);
-    Some((auto_max, cap))
-}
-
-#[cfg(not(target_os = "linux"))]
-fn buffer_limits() -> Option<(usize, usize)> {
-    None
-}
-
-#[derive(Clone, Copy)]
-enum Dir {
-    Send,
-    Recv,
-}
-
-/// On Linux, setting SO_SNDBUF/SO_RCVBUF turns off buffer autotuning and is silently capped at
-/// net.core.{w,r}mem_max (often 208 KiB), so a fixed 4 MiB would usually *shrink* the window of
-/// a fast link. Only set it when autotuning cannot reach 4 MiB and the cap allows it.
-#[cfg(target_os = "linux")]
-fn fixed_buffer_helps(d: Dir) -> bool {
-    let (auto, cap) = match d {
-        Dir::Recv => ("/proc/sys/net/ipv4/tcp_rmem", "/proc/sys/net/core/rmem_max"),
-        Dir::Send => ("/proc/sys/net/ipv4/tcp_wmem", "/proc/sys/net/core/wmem_max"),
-    };
-    let read = |p: &str| std::fs::read_to_string(p).ok();
-    let auto_max = read(auto).and_then(|s| s.split_whitespace().nth(2)?.parse::<usize>().ok());
-    let cap = read(cap).and_then(|s| s.trim().parse::<usize>().ok());
-    matches!((auto_max, cap), (Some(a), Some(c)) if a < LINK_BUF && c >= LINK_BUF)
-}
-
-#[cfg(not(target_os = "linux"))]
-fn fixed_buffer_helps(_: Dir) -> bool {
-    true
 }
 
 #[cfg(test)]
@@ -931,10 +905,25 @@ mod tests {
     fn buffers_grow_to_the_bandwidth_delay_product_only_past_autotuning() {
         let mib = 1 << 20;
         // 10 Gbit/s at 40 ms: 50 MB in flight; autotuning stops at 6 MiB.
-        assert_eq!(buffer_for_bdp(50_000_000, 6 * mib, 256 * mib), Some(100_000_000));
-        assert_eq!(buffer_for_bdp(50_000_000, 6 * mib, 64 * mib), Some(64 * mib), "held to the cap");
-        assert_eq!(buffer_for_bdp(1_000_000, 6 * mib, 256 * mib), None, "autotuning reaches it");
-        assert_eq!(buffer_for_bdp(50_000_000, 6 * mib, 4 * mib), None, "the cap would shrink it");
+        assert_eq!(buffer_for_bdp(50_000_000, Some(6 * mib), Some(256 * mib)), Some(100_000_000));
+        assert_eq!(buffer_for_bdp(50_000_000, Some(6 * mib), Some(64 * mib)), Some(64 * mib), "held to the cap");
+        assert_eq!(buffer_for_bdp(1_000_000, Some(6 * mib), Some(256 * mib)), None, "autotuning reaches it");
+        assert_eq!(buffer_for_bdp(50_000_000, Some(6 * mib), Some(4 * mib)), None, "the cap would shrink it");
+    }
+
+    #[test]
+    fn a_fixed_buffer_only_where_both_limits_are_known_and_it_helps() {
+        let mib = 1 << 20;
+        // Autotuning stops at 2 MiB, programs may set 16 MiB: 4 MiB helps.
+        assert_eq!(fixed_buffer(LINK_BUF, Some(2 * mib), Some(16 * mib)), Some(LINK_BUF));
+        assert_eq!(fixed_buffer(LINK_BUF, Some(2 * mib), Some(3 * mib)), Some(3 * mib), "within the cap");
+        assert_eq!(fixed_buffer(LINK_BUF, Some(6 * mib), Some(16 * mib)), None, "autotuning goes further");
+        assert_eq!(fixed_buffer(LINK_BUF, Some(2 * mib), Some(208 * 1024)), None, "the cap is below autotuning");
+        // Unknown limits (Windows, or unreadable settings): autotuning is left alone.
+        assert_eq!(fixed_buffer(LINK_BUF, None, Some(16 * mib)), None);
+        assert_eq!(fixed_buffer(LINK_BUF, Some(2 * mib), None), None);
+        assert_eq!(fixed_buffer(LINK_BUF, None, None), None);
+        assert_eq!(buffer_for_bdp(50_000_000, None, None), None);
     }
 
     #[test]

