@@ -194,9 +194,9 @@ def main(argv):
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--quick", action="store_true")
     a = p.parse_args(argv)
-    from torch.distributed import TCPStore
+    from ._local import tcp_store
 
-    store = TCPStore("127.0.0.1", a.port, None, False, timeout=datetime.timedelta(seconds=60))
+    store = tcp_store("127.0.0.1", a.port, None, False, timeout=datetime.timedelta(seconds=60))
     n, me = a.nproc, a.rank
     steps = len(checks(n, me)) + len(sweep_sizes(a.quick)) + 2
 

@@ -21,7 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from ._local import free_port as _free_port
+from ._local import free_port as _free_port, kill_group, popen_kwargs, tcp_store
 
 OPS = ("allreduce", "allgather", "reduce_scatter", "broadcast", "alltoall", "sendrecv")
 DTYPES = ("f32", "f64", "f16", "bf16", "i32", "i64", "u8")
@@ -233,8 +233,8 @@ def worker(args) -> int:
     import plait.torch  # noqa: F401  (registers the backend)
 
     rank, n = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), n, rank == 0,
-                          timeout=timedelta(seconds=args.timeout))
+    store = tcp_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), n, rank == 0,
+                      timeout=timedelta(seconds=args.timeout))
     dt = _torch_dtype(torch, args.dtype)
     if args.wire:
         os.environ["PLAIT_WIRE_DTYPE"] = args.wire
@@ -407,7 +407,7 @@ def launch(args) -> int:
             env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(n), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
             cmd = [sys.executable, "-m", "plait.bench", "--worker", "--out", out, *argv]
             procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE if r == 0 else subprocess.DEVNULL,
-                                          text=True, start_new_session=True))
+                                          text=True, **popen_kwargs()))
         with Progress(transient=True) as bar:
             task = bar.add_task("measuring", total=None)
             for line in procs[0].stdout:
@@ -435,11 +435,7 @@ def launch(args) -> int:
         return 0 if all(c == 0 for c in codes) else 1
     finally:
         for p in procs:
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, 9)
-                except ProcessLookupError:
-                    pass
+            kill_group(p)
         if os.path.exists(out):
             os.unlink(out)
 

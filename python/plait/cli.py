@@ -68,11 +68,14 @@ def _sigterm_as_exit():
     def handler(signum, frame):
         raise SystemExit(128 + signum)
 
-    try:
-        signal.signal(signal.SIGTERM, handler)
-        signal.signal(signal.SIGHUP, handler)
-    except (ValueError, OSError):
-        pass
+    for name in ("SIGTERM", "SIGHUP"):  # Windows has no SIGHUP
+        sig = getattr(signal, name, None)
+        if sig is None:
+            continue
+        try:
+            signal.signal(sig, handler)
+        except (ValueError, OSError):
+            pass
 
 
 def _testbed(args, parser):
@@ -81,6 +84,10 @@ def _testbed(args, parser):
     from . import testbed as T
 
     console = Console(stderr=True, highlight=False)
+    why = T.not_linux()
+    if why:
+        console.print(f"[red]plait testbed: {why}")
+        return 2
     _sigterm_as_exit()
     try:
         if args.tb_command == "up":

@@ -5,7 +5,6 @@ run. The ranks are `python -m plait.demo --worker` processes (see _demo_worker.p
 import json
 import os
 import queue
-import signal
 import subprocess
 import sys
 import tempfile
@@ -16,7 +15,7 @@ from statistics import median
 from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
-from ._local import read_json_lines as _read
+from ._local import kill_group, popen_kwargs, read_json_lines as _read, tcp_store
 
 LIMIT = 150.0  # seconds before the demo gives up on its ranks
 
@@ -28,11 +27,11 @@ def run(nproc=3, quick=False, json_path=None, console=None, mesh=True):
     try:
         import datetime
 
-        from torch.distributed import TCPStore
+        import torch.distributed  # noqa: F401
     except ImportError:
         console.print("[red]plait demo uses torch's TCPStore for the ranks to meet: pip install 'plait[torch]'")
         return 2
-    store = TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
+    store = tcp_store("127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
     logs = [tempfile.TemporaryFile() for _ in range(nproc)]
     procs = []
     events = queue.Queue()
@@ -40,7 +39,7 @@ def run(nproc=3, quick=False, json_path=None, console=None, mesh=True):
         for r in range(nproc):
             cmd = [sys.executable, "-m", "plait.demo", "--worker", "--rank", str(r), "--nproc", str(nproc),
                    "--port", str(store.port)] + (["--quick"] if quick else [])
-            procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=logs[r], start_new_session=True,
+            procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=logs[r], **popen_kwargs(),
                                           env=dict(os.environ, PYTHONUNBUFFERED="1")))
         readers = [threading.Thread(target=_read, args=(r, p.stdout, events), daemon=True)
                    for r, p in enumerate(procs)]
@@ -49,8 +48,7 @@ def run(nproc=3, quick=False, json_path=None, console=None, mesh=True):
         results, timed_out = _follow(console, nproc, readers, events)
     finally:
         for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
+            kill_group(p)
         for p in procs:
             p.wait()
     failed_ranks = [r for r, p in enumerate(procs) if p.returncode != 0 or not results["done"][r]]

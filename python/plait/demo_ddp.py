@@ -16,14 +16,13 @@ import argparse
 import json
 import os
 import queue
-import signal
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 from statistics import median
-from ._local import free_port as _free_port, read_json_lines as _read
+from ._local import free_port as _free_port, kill_group, popen_kwargs, read_json_lines as _read
 
 LIMIT = 180.0  # seconds before a run's ranks are given up on
 
@@ -102,7 +101,7 @@ def _run_backend(backend, nproc, steps, batch, on_step, wire=None):
         for r in range(nproc):
             cmd = [sys.executable, "-m", "plait.demo_ddp", "--worker", "--backend", backend,
                    "--steps", str(steps), "--batch", str(batch)]
-            procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=logs[r], start_new_session=True,
+            procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=logs[r], **popen_kwargs(),
                                           env=dict(env, RANK=str(r), LOCAL_RANK=str(r))))
         readers = [threading.Thread(target=_read, args=(r, p.stdout, events), daemon=True) for r, p in enumerate(procs)]
         for t in readers:
@@ -126,11 +125,7 @@ def _run_backend(backend, nproc, steps, batch, on_step, wire=None):
         timed_out = open_streams > 0 and time.monotonic() >= deadline
     finally:
         for p in procs:
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+            kill_group(p)
         for p in procs:
             p.wait()
     error = None

@@ -31,7 +31,8 @@ import sys
 import threading
 import time
 import traceback
-from ._local import free_port as _free_port
+from . import _thunderbolt
+from ._local import free_port as _free_port, popen_kwargs, stop_all, tcp_store
 
 import numpy as np
 
@@ -44,16 +45,13 @@ SLOW_FRACTION = 0.6  # a link below this fraction of the median of the others is
 
 # -- what each rank publishes ------------------------------------------------------------------------
 def _machine_id():
-    """Same notion as the core: one kernel boot and one network namespace = one machine."""
-    try:
-        boot = open("/proc/sys/kernel/random/boot_id").read().strip()
-    except OSError:
-        boot = socket.gethostname()
-    try:
-        netns = os.readlink("/proc/self/ns/net")
-    except OSError:
-        netns = ""
-    return f"{boot}/{netns}"
+    """The core's host identity (one kernel boot and one network stack = one host), so the doctor
+    groups ranks into hosts exactly as the core picks loopback routes; None where the system does
+    not say (or an older core). A hostname is no stand-in: two machines can share one, and ranks
+    wrongly grouped onto one host would hide the very problems the report looks for."""
+    from . import _core
+
+    return _core.host_identity() if hasattr(_core, "host_identity") else None
 
 
 def local_interfaces():
@@ -76,8 +74,13 @@ def rank_info(rank):
     env = {k: os.environ[k] for k in ("PLAIT_IFACE", "PLAIT_ROUTES", "PLAIT_ALGO", "PLAIT_TIMEOUT",
                                         "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "MASTER_ADDR")
            if os.environ.get(k)}
-    return {"rank": rank, "host": host, "host_resolves_to": _resolve(host), "machine": _machine_id(),
+    info = {"rank": rank, "host": host, "host_resolves_to": _resolve(host), "machine": _machine_id(),
             "pid": os.getpid(), "interfaces": local_interfaces(), "env": env}
+    # What the fix commands are written for, and (macOS) which devices are Thunderbolt ports and
+    # which of them a bridge joins.
+    info["platform"] = sys.platform
+    info["thunderbolt"] = _thunderbolt.thunderbolt_info()
+    return info
 
 
 # -- measurements (every rank) ------------------------------------------------------------------------
@@ -330,11 +333,9 @@ def _open_store(rank, n, master_addr, master_port, timeout):
     MASTER_PORT); the built-in one only for `--local` runs, which pick their own port, and where
     torch is absent."""
     if os.environ.get("PLAIT_DOCTOR_STORE") != "builtin" and importlib.util.find_spec("torch") is not None:
-        from torch.distributed import TCPStore
-
         agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
-        return TCPStore(master_addr, master_port, n, is_master=(rank == 0 and not agent_store),
-                        timeout=datetime.timedelta(seconds=timeout), wait_for_workers=False)
+        return tcp_store(master_addr, master_port, n, is_master=(rank == 0 and not agent_store),
+                         timeout=datetime.timedelta(seconds=timeout), wait_for_workers=False)
     return DoctorStore(master_addr, master_port, rank == 0, timeout)
 
 
@@ -441,6 +442,10 @@ def _net(a):
         return None
 
 
+def _at(infos, r):
+    return infos[r] if 0 <= r < len(infos) else None
+
+
 def _is_loopback(ip):
     try:
         return ipaddress.ip_address(ip).is_loopback
@@ -452,13 +457,36 @@ def _gbps(bps):
     return None if bps is None else bps / 1e9
 
 
+# The commands a fix names, in the language of the rank's system (its published sys.platform).
+_COMMANDS = {
+    "route": {"linux": "ip route get {addr}", "darwin": "route -n get {addr}",
+              "win32": "Find-NetRoute -RemoteIPAddress {addr}"},
+    "links": {"linux": "ip link", "darwin": "ifconfig", "win32": "Get-NetAdapter"},
+    "link": {"linux": "ip link show {iface}", "darwin": "ifconfig {iface}", "win32": "Get-NetAdapter -Name '{iface}'"},
+    "addrs": {"linux": "ip addr", "darwin": "ifconfig", "win32": "ipconfig"},
+    "mtu": {"linux": "ip link set dev {iface} mtu {mtu}", "darwin": "sudo networksetup -setMTU {iface} {mtu}",
+            "win32": 'netsh interface ipv4 set subinterface "{iface}" mtu={mtu} store=persistent'},
+    "speed": {"linux": "ethtool {iface}", "darwin": "ifconfig {iface}` (its media line) or `networksetup -getMedia "
+              "{iface}", "win32": "Get-NetAdapter -Name '{iface}' | Format-List LinkSpeed,FullDuplex"},
+    "hosts": {"linux": "/etc/hosts", "darwin": "/etc/hosts", "win32": "C:\\Windows\\System32\\drivers\\etc\\hosts"},
+}
+
+
+def _cmd(info, what, **kw):
+    """The command for `what` on the system of the rank whose info this is (Linux when unknown)."""
+    plat = (info or {}).get("platform") or "linux"
+    table = _COMMANDS[what]
+    return table.get("linux" if plat.startswith("linux") else plat, table["linux"]).format(**kw)
+
+
 def build_report(n, infos, measures, missing, *, master_addr=None, master_port=None, elapsed=None, budget=None):
     warnings = []
 
     def warn(level, code, message, fix, ranks=()):
         warnings.append({"level": level, "code": code, "message": message, "fix": fix, "ranks": sorted(set(ranks))})
 
-    machines = {i["machine"] for i in infos if i}
+    # A rank of unknown identity is a host of its own, as in the core: two unknowns are not one host.
+    machines = {i["machine"] if i.get("machine") is not None else ("unknown", r) for r, i in enumerate(infos) if i}
     multi_host = len(machines) > 1
     for r in missing:
         warn("error", "no_report", f"rank {r} did not report within the timeout (crashed, hung, or cannot reach "
@@ -477,9 +505,9 @@ def build_report(n, infos, measures, missing, *, master_addr=None, master_port=N
     for r, p in culprits:
         warn("error", "unreachable_peer", f"rank {r} cannot reach rank {p} on any of its addresses "
              f"({infos[p]['host'] if p < len(infos) and infos[p] else 'host unknown'})",
-             f"on rank {r}'s machine: `ip route get <rank {p}'s address>` for each address in the interface table; "
-             "a cable down or unplugged (`ip link`), a firewall, or a PLAIT_IFACE/PLAIT_ROUTES setting that leaves "
-             "only a broken link", [r, p])
+             f"on rank {r}'s machine: `{_cmd(infos[r], 'route', addr=f'<rank {p} address>')}` for each address in the "
+             f"interface table; a cable down or unplugged (`{_cmd(infos[r], 'links')}`), a firewall, or a "
+             "PLAIT_IFACE/PLAIT_ROUTES setting that leaves only a broken link", [r, p])
     for r, m in enumerate(measures):
         if culprits and m and m.get("error") and all(r != c for c, _ in culprits) and m["error"]["stage"] == "connect":
             warn("note", "connect_consequence", f"rank {r} also failed to connect (most likely because of the "
@@ -491,8 +519,9 @@ def build_report(n, infos, measures, missing, *, master_addr=None, master_port=N
             warn("error", "unreachable" if e["stage"] == "connect" else "measure_failed",
                  f"rank {r} failed while {stage}: {e['type']}: {e['message']}",
                  "check that the peer named is running and that an interface of this rank shares a subnet with one "
-                 "of the peer's addresses (or that the OS route to it works); `ip addr` and `ip route get <peer "
-                 "address>` on both machines; PLAIT_IFACE / PLAIT_ROUTES may exclude the only working link", [r])
+                 f"of the peer's addresses (or that the OS route to it works); `{_cmd(_at(infos, r), 'addrs')}` and "
+                 f"`{_cmd(_at(infos, r), 'route', addr='<peer address>')}` on this rank's machine, the same on the "
+                 "peer's; PLAIT_IFACE / PLAIT_ROUTES may exclude the only working link", [r])
 
     # Route matrix from both ends' records.
     routes = [[None] * n for _ in range(n)]
@@ -547,7 +576,8 @@ def build_report(n, infos, measures, missing, *, master_addr=None, master_port=N
                  f"MTU mismatch on the route between rank {i} ({row['local_iface']} {row['local']}, MTU "
                  f"{row['local_mtu']}) and rank {j} ({row['remote_iface']} {row['remote']}, MTU {row['remote_mtu']}): "
                  f"frames above {lo} bytes are dropped or fragmented, which can stall or slow TCP",
-                 f"set the same MTU on both ends, e.g. `ip link set dev {row['local_iface']} mtu {lo}` on rank {i} or "
+                 f"set the same MTU on both ends, e.g. `{_cmd(infos[i], 'mtu', iface=row['local_iface'], mtu=lo)}` "
+                 f"on rank {i} or "
                  f"raise rank {j}'s {row['remote_iface']} to {max(row['local_mtu'], row['remote_mtu'])}", [i, j])
         if i > j:
             continue
@@ -560,8 +590,9 @@ def build_report(n, infos, measures, missing, *, master_addr=None, master_port=N
                  + (f", shared by {row['ranks_on_subnet']} ranks" if row["ranks_on_subnet"] else "")
                  + f") although they have a direct link: rank {i} {nets[i][d]['name']} and rank {j} "
                  f"{nets[j][d]['name']} on {d}",
-                 f"check that the direct link is up on both ends (`ip link show {nets[i][d]['name']}`, `ip link show "
-                 f"{nets[j][d]['name']}`) and that PLAIT_IFACE / PLAIT_ROUTES do not exclude it; the route reason was: "
+                 f"check that the direct link is up on both ends (`{_cmd(infos[i], 'link', iface=nets[i][d]['name'])}` "
+                 f"on rank {i}, `{_cmd(infos[j], 'link', iface=nets[j][d]['name'])}` on rank {j}) and that "
+                 "PLAIT_IFACE / PLAIT_ROUTES do not exclude it; the route reason was: "
                  f"{row['reason']}", [i, j])
         elif row["reason"].startswith("no subnet match") or "OS route" in row["reason"]:
             warn("warning", "os_route",
@@ -569,6 +600,8 @@ def build_report(n, infos, measures, missing, *, master_addr=None, master_port=N
                  f"table (from {row['local'] or 'any address'}), possibly via a router or a slow network",
                  "give the two machines addresses on a common network (a cable with its own subnet, or the LAN), or "
                  "say which address to use with PLAIT_ROUTES", [i, j])
+    # macOS: Thunderbolt ports joined by the Thunderbolt Bridge instead of one subnet per cable.
+    _thunderbolt.check(n, infos, rows, warn)
     lacking = [(i, j) for i, j in _pairs(n) if not any(members.get(net) == {i, j} for net in nets[i])]
     if lacking and (len(lacking) < len(_pairs(n)) or topology == "partial_mesh"):
         if True:
@@ -588,13 +621,13 @@ def build_report(n, infos, measures, missing, *, master_addr=None, master_port=N
             warn("error", "loopback_only",
                  f"rank {r} ({info['host']}) has only loopback addresses but the job spans {len(machines)} machines: "
                  "peers cannot reach it", "bring up a network interface with an address on the peers' network "
-                 "(`ip addr`), or run all ranks on one machine", [r])
+                 f"(`{_cmd(info, 'addrs')}`), or run all ranks on one machine", [r])
         if multi_host and info["host_resolves_to"] and all(_is_loopback(x) for x in info["host_resolves_to"]
                                                             if not x.startswith("unresolvable")):
             warn("note", "hostname_loopback",
                  f"rank {r}'s hostname {info['host']!r} resolves to {', '.join(info['host_resolves_to'])}: plait does "
                  "not depend on it, but gloo and NCCL's defaults would bind there and fail or hang",
-                 "for gloo set GLOO_SOCKET_IFNAME, or fix /etc/hosts", [r])
+                 f"for gloo set GLOO_SOCKET_IFNAME, or fix {_cmd(info, 'hosts')}", [r])
 
     # RTT and bandwidth matrices (from the receiving side for bandwidth).
     rtt = [[None] * n for _ in range(n)]
@@ -616,7 +649,8 @@ def build_report(n, infos, measures, missing, *, master_addr=None, master_port=N
                 warn("warning", "slow_link",
                      f"rank {i} -> rank {j} ({row.get('local_iface')} {row.get('local')} -> {row.get('remote')}) "
                      f"measures {v / 1e9:.3g} Gbit/s, the median of the other directions is {med / 1e9:.3g} Gbit/s",
-                     f"check the link's negotiated speed and duplex (`ethtool {row.get('local_iface')}`), the cable, "
+                     "check the link's negotiated speed and duplex "
+                     f"(`{_cmd(_at(infos, i), 'speed', iface=row.get('local_iface'))}`), the cable, "
                      "and whether this route goes over a slower or busier network than the others; the whole "
                      "collective runs at the pace of its slowest link", [i, j])
     if topology == "full_mesh":
@@ -672,7 +706,8 @@ def print_report(rep, console=None):
         for c in ("from", "to", "via", "local -> remote", "subnet", "MTU", "why"):
             t.add_column(c, overflow="fold")
         for row in rep["routes"]:
-            mtu = f"{row['local_mtu']}/{row['remote_mtu']}" if row["local_mtu"] else "?"
+            mtu = f"{row['local_mtu'] or '?'}/{row['remote_mtu'] or '?'}" \
+                if row["local_mtu"] or row["remote_mtu"] else "?"
             if row["local_mtu"] and row["remote_mtu"] and row["local_mtu"] != row["remote_mtu"]:
                 mtu = f"[yellow]{mtu}"
             sub = row["subnet"] or "-"
@@ -728,7 +763,7 @@ def run_local(n, args_list, timeout):
             logs.append(log)
             procs.append(subprocess.Popen([sys.executable, "-m", "plait.cli", "doctor"] + args_list, env=env,
                                           stdout=None if r == 0 else subprocess.DEVNULL,
-                                          stderr=None if r == 0 else log, start_new_session=True))
+                                          stderr=None if r == 0 else log, **popen_kwargs()))
         deadline = time.monotonic() + timeout
         for p in procs:
             try:
@@ -737,8 +772,6 @@ def run_local(n, args_list, timeout):
                 print(f"plait doctor: ranks still running after {timeout:g} s; killing them", file=sys.stderr)
                 break
     finally:
-        from .testbed.run import stop_all
-
         stop_all(procs)
     for r, (p, log) in enumerate(zip(procs, logs)):
         if r and p.returncode not in (0, 1):

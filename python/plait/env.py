@@ -20,10 +20,12 @@ def init_from_env(*, store_timeout=300.0, **kwargs):
     except ValueError as e:
         raise ConfigError(f"init_from_env: RANK, WORLD_SIZE and MASTER_PORT must be integers ({e})") from None
     try:
-        from torch.distributed import TCPStore
+        from torch.distributed import TCPStore  # noqa: F401
     except ImportError:
         raise ConfigError("init_from_env needs torch for its TCPStore: pip install 'plait[torch]'") from None
-    store = TCPStore(
+    from ._local import tcp_store
+
+    store = tcp_store(
         env["MASTER_ADDR"], port, world, rank == 0,
         timeout=datetime.timedelta(seconds=store_timeout), wait_for_workers=False,
     )

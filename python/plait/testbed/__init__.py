@@ -147,10 +147,20 @@ def existing_namespaces():
     return [line.split()[0] for line in p.stdout.splitlines() if line.strip()]
 
 
+def not_linux():
+    """None on Linux, else the one-line reason the testbed cannot run on this system."""
+    if sys.platform.startswith("linux"):
+        return None
+    system = {"darwin": "macOS", "win32": "Windows", "cygwin": "Windows (Cygwin)"}.get(sys.platform, sys.platform)
+    return (f"the testbed is Linux-only (it builds network namespaces with `ip netns` and `tc`); this is {system}. "
+            "Everything else in plait works here; to check real links run `plait doctor` on the machines")
+
+
 def check_can_build():
     """None if this process can build a testbed, else the reason (one line)."""
-    if sys.platform != "linux":
-        return "the testbed uses Linux network namespaces"
+    why = not_linux()
+    if why:
+        return why
     if os.geteuid() != 0:
         return "the testbed needs root (it creates network namespaces); run it with sudo"
     for tool in ("ip", "tc", "unshare"):
@@ -522,6 +532,6 @@ def free_port():
 
 from .run import RunResult, run_ranks  # noqa: E402  (run.py uses the names above)
 
-__all__ = ["Testbed", "TestbedError", "RunResult", "check_can_build", "down", "list_testbeds", "parse_rate",
-           "format_rate", "cable_addr", "cable_iface", "cable_subnet", "lan_addr", "node_addr", "LAN_IFACE",
+__all__ = ["Testbed", "TestbedError", "RunResult", "check_can_build", "not_linux", "down", "list_testbeds",
+           "parse_rate", "format_rate", "cable_addr", "cable_iface", "cable_subnet", "lan_addr", "node_addr", "LAN_IFACE",
            "LAN_SUBNET", "free_port"]

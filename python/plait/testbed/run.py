@@ -1,12 +1,14 @@
 """Running one process per testbed node, torchrun style: environment per rank, output prefixed by
 rank, bounded in time, and every process dead afterwards whatever happens."""
 
-import os
-import signal
 import subprocess
 import sys
 import threading
 import time
+
+# stop_all: SIGTERM every process group, SIGKILL what is left after a grace period, reap all; shared
+# with the commands that start local ranks (plait._local), and imported from here by older callers.
+from .._local import stop_all
 
 
 class RunResult:
@@ -35,33 +37,6 @@ class RunResult:
 
     def __repr__(self):
         return f"<RunResult codes={self.returncodes} timed_out={self.timed_out} {self.elapsed:.1f}s>"
-
-
-def _kill(procs, sig):
-    for p in procs:
-        if p.poll() is None:
-            try:
-                os.killpg(p.pid, sig)
-            except (ProcessLookupError, PermissionError):
-                pass
-
-
-def stop_all(procs, term_wait=2.0):
-    """SIGTERM every process group, SIGKILL what is left after term_wait seconds, reap all."""
-    _kill(procs, signal.SIGCONT)
-    _kill(procs, signal.SIGTERM)
-    deadline = time.monotonic() + term_wait
-    for p in procs:
-        try:
-            p.wait(max(0.01, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pass
-    _kill(procs, signal.SIGKILL)
-    for p in procs:
-        try:
-            p.wait(10)
-        except subprocess.TimeoutExpired:
-            pass
 
 
 def run_ranks(tb, cmd, *, timeout=600.0, env=None, rank_env=None, master_port=None, stream=True, out=None,

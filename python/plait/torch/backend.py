@@ -336,6 +336,8 @@ class _Methods:
             raise invalid(f"all_reduce: sparse tensors support SUM only, got {opname}")
         timeout = _timeout(opts)
         x = t.detach().coalesce()
+        if not stg.strategy(x.device.type).direct:  # CUDA/MPS: the core needs host memory
+            x = x.cpu()
         idx = x.indices().t().contiguous()  # nnz x sparse_dim
         val = x.values().contiguous()  # nnz x dense dims
         n = g.size

@@ -2,11 +2,17 @@
 
 The core works on raw host addresses. A contiguous CPU tensor is handed over as is (zero copy).
 Anything else gets a host copy: a non-contiguous CPU tensor a plain contiguous temporary; a CUDA
-or MPS tensor (or any tensor when `force_staging` is on) a buffer from the group's `HostPool`
-(pinned when CUDA is present). Outputs are copied back by `Staged.finish()`, which the Work runs
-exactly once, before `wait()` returns or the future completes.
+or MPS tensor (or any tensor when `force_staging` is on) a buffer from the group's `HostPool`.
+Outputs are copied back by `Staged.finish()`, which the Work runs exactly once, before `wait()`
+returns or the future completes.
+
+What differs per device type is decided in one place, `strategy(device_type)`: CUDA tensors use
+pinned host buffers and copy back on the stream that was current when the op was issued; MPS
+tensors (Apple Silicon) use plain host buffers (pinned memory is a CUDA facility) and end with
+`torch.mps.synchronize()`; nothing on the CPU or MPS path calls into torch.cuda.
 """
 
+import collections
 import threading
 
 import torch
@@ -92,9 +98,30 @@ def _next_pow2(n):
     return 1 << max(12, (n - 1).bit_length())
 
 
+Strategy = collections.namedtuple("Strategy", "direct pinned cuda_stream mps_sync")
+Strategy.__doc__ = """How a tensor on one device type meets the core's host memory:
+direct       a contiguous tensor is handed over in place (CPU only)
+pinned       staging buffers are page-locked (CUDA only: faster, truly async H2D/D2H copies)
+cuda_stream  copies back run on the CUDA stream current when the op was issued
+mps_sync     copies back are followed by torch.mps.synchronize() (the buffer is reused after)"""
+
+_STRATEGIES = {
+    "cpu": Strategy(direct=True, pinned=False, cuda_stream=False, mps_sync=False),
+    "cuda": Strategy(direct=False, pinned=True, cuda_stream=True, mps_sync=False),
+    "mps": Strategy(direct=False, pinned=False, cuda_stream=False, mps_sync=True),
+}
+_OTHER = Strategy(direct=False, pinned=False, cuda_stream=False, mps_sync=False)  # plain host copies
+
+
+def strategy(device_type):
+    """The staging strategy for tensors of `device_type` ("cpu", "cuda", "mps", ...): see
+    `Strategy`. Any other device is staged through plain host buffers with blocking copies."""
+    return _STRATEGIES.get(device_type, _OTHER)
+
+
 class HostPool:
-    """Reusable host buffers (pinned when CUDA is available), in power-of-two sizes, at most
-    `cap` bytes kept when idle."""
+    """Reusable host buffers, in power-of-two sizes, at most `cap` bytes kept when idle; pinned
+    ones (for CUDA tensors, when CUDA is available) are kept apart from plain ones."""
 
     def __init__(self, cap):
         self._cap = cap
@@ -103,7 +130,7 @@ class HostPool:
         self._lock = threading.Lock()
         self._pin = None
 
-    def _pinned(self):
+    def _can_pin(self):
         if self._pin is None:
             try:
                 self._pin = bool(torch.cuda.is_available())
@@ -111,20 +138,25 @@ class HostPool:
                 self._pin = False
         return self._pin
 
-    def acquire(self, n):
+    def acquire(self, n, pinned=False):
+        """(buffer, pinned): a uint8 host tensor of at least n bytes, page-locked when `pinned`
+        was asked for and CUDA is there. Give both back to `release`."""
+        pinned = bool(pinned) and self._can_pin()
         size = _next_pow2(n)
         with self._lock:
-            lst = self._free.get(size)
+            lst = self._free.get((size, pinned))
             if lst:
                 self._kept -= size
-                return lst.pop()
-        return torch.empty(size, dtype=torch.uint8, pin_memory=self._pinned())
+                return lst.pop(), pinned
+        if pinned:
+            return torch.empty(size, dtype=torch.uint8, pin_memory=True), True
+        return torch.empty(size, dtype=torch.uint8), False
 
-    def release(self, buf):
+    def release(self, buf, pinned=False):
         size = buf.numel()
         with self._lock:
             if self._kept + size <= self._cap:
-                self._free.setdefault(size, []).append(buf)
+                self._free.setdefault((size, pinned), []).append(buf)
                 self._kept += size
 
     def clear(self):
@@ -135,7 +167,7 @@ class HostPool:
 
 def _stream_ctx(t):
     """Runs copies for device tensor `t` on the stream current when the op was issued."""
-    if t.device.type == "cuda":
+    if strategy(t.device.type).cuda_stream:
         stream = torch.cuda.current_stream(t.device)
 
         def ctx():
@@ -171,17 +203,18 @@ class Staged:
         self._done = False
 
     def direct(self, t):
-        return t.device.type == "cpu" and t.is_contiguous() and not self._force
+        return strategy(t.device.type).direct and t.is_contiguous() and not self._force
 
     def _tmp(self, t, shape, dtype):
         n = 1
         for s in shape:
             n *= s
         esize = torch.empty((), dtype=dtype).element_size()
-        if t.device.type == "cpu" and not self._force:
+        how = strategy(t.device.type)
+        if how.direct and not self._force:
             return torch.empty(shape, dtype=dtype)
-        buf = self._pool.acquire(max(1, n * esize))
-        self._pooled.append(buf)
+        buf, pinned = self._pool.acquire(max(1, n * esize), pinned=how.pinned)
+        self._pooled.append((buf, pinned))
         return buf[: n * esize].view(dtype).view(shape)
 
     def host(self, t, *, read, write):
@@ -226,7 +259,7 @@ class Staged:
 
     def _add_back(self, dst, src):
         ctx = _stream_ctx(dst)
-        if dst.device.type == "mps":
+        if strategy(dst.device.type).mps_sync:
             self._sync_mps = True
         self._after.append((dst, src, ctx))
 
@@ -246,8 +279,8 @@ class Staged:
         finally:
             self._after = []
             self.keep = []
-            for b in self._pooled:
-                self._pool.release(b)
+            for b, pinned in self._pooled:
+                self._pool.release(b, pinned)
             self._pooled = []
 
 
