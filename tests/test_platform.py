@@ -330,6 +330,22 @@ def test_doctor_quiet_for_per_port_subnets_and_prints_unknown_speed_and_mtu():
     assert "9000/?" in buf.getvalue() and "None" not in buf.getvalue()
 
 
+def test_doctor_does_not_call_loopback_a_fallback_for_ranks_on_one_host():
+    """Two ranks of one host share the LAN subnet, which looks like a cable between just them;
+    loopback is their best route. Unknown identities never count as one host."""
+    def world(machine):
+        infos = [dict(_mac_info(r, [], None), machine=machine(r)) for r in range(2)]
+        for info in infos:  # both ranks on the same LAN address, as on one host
+            info["interfaces"][1]["ip"] = LAN[0]
+        routes = {r: [{"peer": 1 - r, "local": "127.0.0.1", "remote": "127.0.0.1", "local_iface": "lo0",
+                       "reason": "same host", "rtt_us": 20.0}] for r in range(2)}
+        rep = doctor.build_report(2, infos, _measures(routes, "shared_segment"), [])
+        return [w["code"] for w in rep["warnings"]]
+
+    assert "lan_fallback" not in world(lambda r: "boot-a/net:[1]")
+    assert "lan_fallback" in world(lambda r: None)
+
+
 def test_pair_subnets_avoid_networks_in_use():
     plan = _thunderbolt.pair_subnets([0, 1, 2])
     assert {k: (str(v[0]), str(v[1]), str(v[2])) for k, v in plan.items()} == {

@@ -581,7 +581,10 @@ def build_report(n, infos, measures, missing, *, master_addr=None, master_port=N
                  f"raise rank {j}'s {row['remote_iface']} to {max(row['local_mtu'], row['remote_mtu'])}", [i, j])
         if i > j:
             continue
-        direct = [net for net in nets[i] if members.get(net) == {i, j}]
+        # Two ranks on one host share every subnet, and loopback beats any cable between them.
+        mi, mj = (infos[i] or {}).get("machine"), (infos[j] or {}).get("machine")
+        one_host = mi is not None and mi == mj
+        direct = [] if one_host else [net for net in nets[i] if members.get(net) == {i, j}]
         uses_direct = row["subnet"] is not None and members.get(ipaddress.ip_network(row["subnet"])) == {i, j}
         if direct and not uses_direct:
             d = direct[0]
