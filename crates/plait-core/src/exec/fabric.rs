@@ -22,6 +22,9 @@ pub struct Fabric {
     broken: Mutex<Option<PlaitError>>,
     /// Whether threads waiting for operations read the links themselves (see `net::reader`).
     caller_progress: AtomicBool,
+    /// Held while the links are switched, so two threads switching at once cannot leave the
+    /// links disagreeing with `caller_progress`.
+    caller_switch: Mutex<()>,
     /// How long a waiting caller polls its links without sleeping before it blocks (latency
     /// for CPU: only worth it with a core to spare per rank).
     pub busy_poll: Duration,
@@ -79,6 +82,7 @@ impl Fabric {
             mailbox,
             broken: Mutex::new(None),
             caller_progress: AtomicBool::new(false),
+            caller_switch: Mutex::new(()),
             busy_poll: Duration::ZERO,
             next_op_id: AtomicU64::new(1),
             p2p_send_next: Mutex::new(HashMap::new()),
@@ -87,9 +91,9 @@ impl Fabric {
 
     /// Takes the started link to `peer` into the communicator.
     pub fn attach_link(&mut self, peer: usize, link: Arc<PeerLink>) -> std::io::Result<()> {
-        link.join_caller_poll(&self.callers)?;
-        self.links[peer] = Some(link);
-        Ok(())
+        // Kept first, so that a failure below still has the link shut down with the others.
+        self.links[peer] = Some(link.clone());
+        link.join_caller_poll(&self.callers)
     }
 
     pub fn link(&self, peer: usize) -> &PeerLink {
@@ -103,6 +107,10 @@ impl Fabric {
     /// Small blocking operations: the waiting thread reads the links itself, one thread
     /// wake-up per message instead of two. Anything else: the links' receiver threads read.
     pub fn set_caller_progress(&self, on: bool) {
+        if self.caller_progress.load(Ordering::Acquire) == on {
+            return;
+        }
+        let _switching = self.caller_switch.lock();
         if self.caller_progress.swap(on, Ordering::AcqRel) != on {
             for link in self.links.iter().flatten() {
                 link.set_caller_mode(on);

@@ -156,8 +156,8 @@ impl ReadSide {
                 // A kick: the loop looks at why.
                 Ok(false) => {}
                 Ok(true) => {
-                // A caller may have read the frame while this thread waited for the lock: the
-                // reads below do not block when nothing is there.
+                    // A caller may have read the frame while this thread waited for the lock:
+                    // the reads below do not block when nothing is there.
                     let mut rx = self.frame_lock.lock();
                     self.read_waiting(&mut rx, None);
                 }
@@ -298,7 +298,7 @@ fn recv_some(stream: &TcpStream, buf: &mut [u8], wait: Wait) -> io::Result<usize
                 if left.is_zero() {
                     return Err(io::Error::new(io::ErrorKind::TimedOut, "the peer stopped sending in the middle of a message"));
                 }
-                socket::wait_readable(stream, left);
+                socket::wait_readable(stream, left)?;
             }
             _ => return Err(err),
         }
@@ -429,32 +429,57 @@ impl CallerPoll {
     /// what every ready one has waiting (frames begun are finished by `deadline`). Returns
     /// whether any link had something.
     pub fn progress(&self, wait: Duration, deadline: Instant) -> bool {
-        let sides = self.sides.read();
-        if !sides.iter().any(|s| s.readable_by_caller()) {
-            std::thread::sleep(wait.min(Duration::from_millis(1)));
-            return false;
+        let until = Instant::now() + wait;
+        // The ready sides, read after both locks are let go, so that another caller of the
+        // same communicator can wait and read meanwhile; kept per thread (small operations
+        // call this on every wait).
+        thread_local! {
+            static READY: std::cell::RefCell<Vec<Arc<ReadSide>>> = const { std::cell::RefCell::new(Vec::new()) };
         }
-        // Another caller of the same communicator may be waiting: take turns rather than spin.
-        let Some(mut events) = self.events.try_lock_for(wait) else {
-            return false;
-        };
-        events.clear();
-        if let Err(e) = self.poller.wait(&mut events, Some(wait)) {
-            tracing::warn!("waiting for the links failed: {e}");
-            std::thread::sleep(wait.min(Duration::from_millis(1)));
-            return false;
-        }
-        let mut read = false;
-        for ev in events.iter() {
-            let side = &sides[ev.key];
-            if side.readable_by_caller() {
-                side.caller_read(deadline);
-                read = true;
-            } else if side.finished() && side.with_callers.swap(false, Ordering::AcqRel) {
-                let _ = self.poller.delete(&side.stream);
+        READY.with(|ready| {
+            let mut ready = ready.borrow_mut();
+            ready.clear();
+            {
+                let sides = self.sides.read();
+                if !sides.iter().any(|s| s.readable_by_caller()) {
+                    drop(sides);
+                    std::thread::sleep(wait.min(Duration::from_millis(1)));
+                    return false;
+                }
+                // Another caller may be waiting: take turns rather than spin (`Poller::wait`
+                // returns at once while another thread waits on the same poller).
+                let Some(mut events) = self.events.try_lock_until(until) else {
+                    return false;
+                };
+                events.clear();
+                if let Err(e) = self.poller.wait(&mut events, Some(until.saturating_duration_since(Instant::now()))) {
+                    tracing::warn!("waiting for the links failed: {e}");
+                    std::thread::sleep(wait.min(Duration::from_millis(1)));
+                    return false;
+                }
+                for ev in events.iter() {
+                    let side = &sides[ev.key];
+                    if side.readable_by_caller() {
+                        ready.push(side.clone());
+                    } else if side.finished() && side.with_callers.swap(false, Ordering::AcqRel) {
+                        let _ = self.poller.delete(&side.stream);
+                    }
+                }
+                if ready.is_empty() && !events.is_empty() {
+                    // Readiness only of links that callers may not read now (caller mode being
+                    // switched off): their receiver threads read them; do not spin meanwhile.
+                    drop(events);
+                    drop(sides);
+                    std::thread::sleep(until.saturating_duration_since(Instant::now()).min(Duration::from_millis(1)));
+                    return false;
+                }
             }
-        }
-        read
+            let any = !ready.is_empty();
+            for side in ready.drain(..) {
+                side.caller_read(deadline);
+            }
+            any
+        })
     }
 }
 
@@ -653,5 +678,31 @@ mod tests {
             assert!(t.elapsed() < Duration::from_secs(5), "the live link was not read after the other closed");
             poll.progress(Duration::from_millis(50), deadline);
         }
+    }
+
+    /// A link callers may not read now (its receiver thread reads it) with data waiting must
+    /// not turn a caller's wait into a busy loop: level-triggered readiness that nobody here
+    /// consumes would otherwise end every wait at once.
+    #[test]
+    fn readiness_of_a_link_callers_may_not_read_does_not_spin_the_caller() {
+        let poll = CallerPoll::new().unwrap();
+        let (sink, _got) = crossbeam_channel::unbounded();
+        let (_idle_tx, idle_rx) = connected_pair();
+        let (mut busy_tx, busy_rx) = connected_pair();
+        let idle = side_for(idle_rx, 0, sink.clone());
+        let busy = side_for(busy_rx, 1, sink);
+        idle.set_caller_mode(true);
+        poll.add(&idle).unwrap();
+        poll.add(&busy).unwrap();
+        busy_tx.write_all(b"unread").unwrap();
+        std::thread::sleep(Duration::from_millis(20));
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let t = Instant::now();
+        let mut calls = 0;
+        while t.elapsed() < Duration::from_millis(50) {
+            assert!(!poll.progress(Duration::from_millis(2), deadline));
+            calls += 1;
+        }
+        assert!(calls <= 60, "{calls} waits in 50 ms: the caller spins");
     }
 }

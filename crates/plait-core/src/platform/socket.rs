@@ -16,10 +16,10 @@ pub fn recv(stream: &TcpStream, buf: &mut [u8], wait: bool) -> io::Result<usize>
 }
 
 /// Waits up to `timeout` for `stream` to have something to read (or to be closed); returns
-/// whether it has. For a thread that already owns the stream's reading and waits for the rest
+/// whether it has (an interrupted wait: false). For a thread that already owns the stream's reading and waits for the rest
 /// of a message; several sockets, or a wait that another thread must be able to cut short,
 /// go through a `polling::Poller` instead.
-pub fn wait_readable(stream: &TcpStream, timeout: Duration) -> bool {
+pub fn wait_readable(stream: &TcpStream, timeout: Duration) -> io::Result<bool> {
     // Round up: a 0.3 ms wait must not become a busy loop of zero-timeout polls.
     let ms = timeout.as_micros().div_ceil(1000).min(i32::MAX as u128) as i32;
     imp::wait_readable(stream, ms)
@@ -41,8 +41,10 @@ mod imp {
 
     pub fn recv(stream: &TcpStream, buf: &mut [u8], wait: bool) -> io::Result<usize> {
         let flags = if wait { 0 } else { libc::MSG_DONTWAIT };
-        // SAFETY: reads at most buf.len() bytes into buf, from a socket the stream keeps open.
-        let n = unsafe { libc::recv(stream.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), flags) };
+        // macOS refuses a length over INT_MAX (EINVAL) where Linux reads less: ask for less.
+        let len = buf.len().min(i32::MAX as usize);
+        // SAFETY: reads at most len <= buf.len() bytes into buf, from a socket the stream keeps open.
+        let n = unsafe { libc::recv(stream.as_raw_fd(), buf.as_mut_ptr().cast(), len, flags) };
         if n < 0 {
             Err(io::Error::last_os_error())
         } else {
@@ -50,10 +52,16 @@ mod imp {
         }
     }
 
-    pub fn wait_readable(stream: &TcpStream, ms: i32) -> bool {
+    pub fn wait_readable(stream: &TcpStream, ms: i32) -> io::Result<bool> {
         let mut fd = libc::pollfd { fd: stream.as_raw_fd(), events: libc::POLLIN, revents: 0 };
         // SAFETY: one live pollfd.
-        unsafe { libc::poll(&mut fd, 1, ms) > 0 }
+        match unsafe { libc::poll(&mut fd, 1, ms) } {
+            r if r >= 0 => Ok(r > 0),
+            _ => match io::Error::last_os_error() {
+                e if e.kind() == io::ErrorKind::Interrupted => Ok(false),
+                e => Err(e),
+            },
+        }
     }
 
     pub fn set_recv_lowat(stream: &TcpStream, bytes: i32) -> bool {
@@ -79,7 +87,7 @@ mod imp {
     use windows_sys::Win32::Networking::WinSock::{WSAPoll, POLLRDNORM, WSAPOLLFD};
 
     pub fn recv(stream: &TcpStream, buf: &mut [u8], wait: bool) -> io::Result<usize> {
-        if !wait && !wait_readable(stream, 0) {
+        if !wait && !wait_readable(stream, 0)? {
             return Err(io::ErrorKind::WouldBlock.into());
         }
         // Readable: this returns data, the end of the stream or an error without blocking.
@@ -87,11 +95,14 @@ mod imp {
         s.read(buf)
     }
 
-    pub fn wait_readable(stream: &TcpStream, ms: i32) -> bool {
+    pub fn wait_readable(stream: &TcpStream, ms: i32) -> io::Result<bool> {
         // POLLRDNORM also reports a closed or reset connection (as POLLHUP/POLLERR).
         let mut fd = WSAPOLLFD { fd: stream.as_raw_socket() as usize, events: POLLRDNORM, revents: 0 };
         // SAFETY: one live WSAPOLLFD.
-        unsafe { WSAPoll(&mut fd, 1, ms) > 0 }
+        match unsafe { WSAPoll(&mut fd, 1, ms) } {
+            r if r >= 0 => Ok(r > 0),
+            _ => Err(io::Error::last_os_error()),
+        }
     }
 
     pub fn set_recv_lowat(_stream: &TcpStream, _bytes: i32) -> bool {
@@ -118,13 +129,13 @@ mod tests {
         let (mut a, b) = pair();
         let mut buf = [0u8; 16];
         assert_eq!(recv(&b, &mut buf, false).unwrap_err().kind(), io::ErrorKind::WouldBlock);
-        assert!(!wait_readable(&b, Duration::from_millis(20)));
+        assert!(!wait_readable(&b, Duration::from_millis(20)).unwrap());
         a.write_all(b"hello").unwrap();
-        assert!(wait_readable(&b, Duration::from_secs(5)));
+        assert!(wait_readable(&b, Duration::from_secs(5)).unwrap());
         assert_eq!(recv(&b, &mut buf, false).unwrap(), 5);
         assert_eq!(&buf[..5], b"hello");
         drop(a);
-        assert!(wait_readable(&b, Duration::from_secs(5)), "a closed connection counts as readable");
+        assert!(wait_readable(&b, Duration::from_secs(5)).unwrap(), "a closed connection counts as readable");
         assert_eq!(recv(&b, &mut buf, false).unwrap(), 0);
     }
 
@@ -132,7 +143,7 @@ mod tests {
     fn a_short_wait_is_not_a_busy_loop() {
         let (_a, b) = pair();
         let t = Instant::now();
-        assert!(!wait_readable(&b, Duration::from_micros(300)));
+        assert!(!wait_readable(&b, Duration::from_micros(300)).unwrap());
         assert!(t.elapsed() >= Duration::from_micros(300), "waited only {:?}", t.elapsed());
     }
 
