@@ -24,14 +24,17 @@ pub struct BufferSizes {
     pub send: Option<usize>,
 }
 
-/// The largest buffers the system grows a TCP socket's buffers to by itself.
+/// The largest buffers the system grows a TCP socket's buffers to by itself. Read once per
+/// process: every connection of every communicator asks, and the settings are the host's.
 pub fn autotuning_max() -> BufferSizes {
-    imp::autotuning_max()
+    static READ: std::sync::OnceLock<BufferSizes> = std::sync::OnceLock::new();
+    *READ.get_or_init(imp::autotuning_max)
 }
 
-/// The largest buffers a program may set with SO_RCVBUF / SO_SNDBUF.
+/// The largest buffers a program may set with SO_RCVBUF / SO_SNDBUF (read once, likewise).
 pub fn system_cap() -> BufferSizes {
-    imp::system_cap()
+    static READ: std::sync::OnceLock<BufferSizes> = std::sync::OnceLock::new();
+    *READ.get_or_init(imp::system_cap)
 }
 
 #[cfg(target_os = "linux")]
