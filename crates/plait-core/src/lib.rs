@@ -1,21 +1,37 @@
-//! plait-core: moves bytes between the ranks of a job.
+//! plait-core: moves bytes between the ranks of a job. Nothing here knows torch.
 //!
-//! Layers, bottom to top: `platform` (OS facts and calls behind one module each), `kernels` (reduce ops per dtype), `net` (interfaces, routes, TCP links,
-//! framing), `sched` (algorithms as schedules, the verifier and the cost model), `exec` (runs a
-//! schedule over links), `group` (the communicator users hold). Nothing here knows torch.
+//! Layers, bottom to top (see ARCHITECTURE.md at the repository root):
+//! - `platform`: OS facts and calls behind one module each; `kernels` and `codec`: reduce ops
+//!   per dtype and wire compression;
+//! - `net`: interfaces, routes, TCP links with their handshake, the frame codec, the readers;
+//! - `session`: the live mesh of one epoch: links, mailbox, frame routing, blame, failure;
+//! - `sched`: algorithms as schedules, the verifier, the cost model, the selector;
+//! - `exec`: operations (collective engine, point-to-point) run on a session;
+//! - `comm`: the communicator users hold: configuration, bootstrap, the calls.
+//!
+//! The public API is what this file re-exports; every module is internal.
 
-pub mod codec;
-pub mod dtype;
-pub mod error;
-pub mod exec;
-pub mod group;
-pub mod kernels;
-pub mod net;
-pub mod platform;
-pub mod sched;
-pub mod store;
+mod codec;
+mod comm;
+mod dtype;
+mod error;
+mod exec;
+mod kernels;
+mod net;
+mod platform;
+mod raw;
+mod sched;
+mod session;
+mod store;
 
+pub use codec::Wire;
+pub use comm::{setting, CommConfig, Communicator, LinkRecord, Setting, Topology, Work, SETTINGS};
 pub use dtype::{DType, ReduceOp};
 pub use error::{PlaitError, Result};
-pub use group::{CommConfig, Communicator};
-pub use sched::Collective;
+pub use exec::CollRequest;
+pub use net::frame::RESERVED_TAGS;
+pub use net::iface::{list_interfaces, IfaceAddr};
+pub use platform::host::host_identity;
+pub use raw::RawBuf;
+pub use sched::{gen::algorithms, Collective};
+pub use store::{MemStore, Store};

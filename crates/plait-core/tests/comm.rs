@@ -1,10 +1,9 @@
 //! The communicator end to end, ranks as threads of one process over loopback.
+//!
+//! Every `unsafe` call here passes buffers that live on the calling test's stack or heap until
+//! it has waited for the call's Work: the contract of `plait_core::RawBuf`.
 
-use plait_core::exec::RawBuf;
-use plait_core::group::{CollRequest, CommConfig, Communicator};
-use plait_core::sched::{gen, Collective};
-use plait_core::store::MemStore;
-use plait_core::{DType, PlaitError, ReduceOp};
+use plait_core::{algorithms, CollRequest, Collective, CommConfig, Communicator, DType, MemStore, PlaitError, RawBuf, ReduceOp};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -57,13 +56,13 @@ fn allreduce(comm: &Arc<Communicator>, input: &mut [f32], output: &mut [f32], al
         algo: algo.map(String::from),
         wire: None,
     };
-    comm.collective(req, true)?.wait(None).unwrap().map(|_| ())
+    unsafe { comm.collective(req, true) }?.wait(None).unwrap().map(|_| ())
 }
 
 #[test]
 fn allreduce_every_algorithm_every_small_world() {
     for n in [1, 2, 3, 5] {
-        for &algo in gen::algorithms(Collective::AllReduce) {
+        for &algo in algorithms(Collective::AllReduce) {
             let results = world(n, 0, move |comm| {
                 let r = comm.rank();
                 let mut errs = Vec::new();
@@ -115,7 +114,7 @@ fn abort_from_another_thread_ends_the_operation_and_restores_the_output() {
 
 #[test]
 fn compressed_allreduce_is_bit_identical_on_every_rank_and_close_to_exact() {
-    use plait_core::codec::Wire;
+    use plait_core::Wire;
     for wire in [Wire::Bf16, Wire::F16, Wire::Int8] {
         let n = 3;
         let count = 10_007;
@@ -136,7 +135,7 @@ fn compressed_allreduce_is_bit_identical_on_every_rank_and_close_to_exact() {
                 algo: None,
                 wire: Some(wire),
             };
-            comm.collective(req, true).unwrap().wait(None).unwrap().unwrap();
+            unsafe { comm.collective(req, true) }.unwrap().wait(None).unwrap().unwrap();
             output
         });
         for r in 1..n {
@@ -157,7 +156,7 @@ fn compressed_allreduce_is_bit_identical_on_every_rank_and_close_to_exact() {
 
 #[test]
 fn wire_compression_refuses_what_it_cannot_do() {
-    use plait_core::codec::Wire;
+    use plait_core::Wire;
     let results = world(2, 0, |comm| {
         let mut v = vec![0i32; 8];
         let buf = RawBuf { ptr: v.as_mut_ptr() as *mut u8, len: 32 };
@@ -174,7 +173,7 @@ fn wire_compression_refuses_what_it_cannot_do() {
             algo: None,
             wire: Some(Wire::Bf16),
         };
-        matches!(comm.collective(req, true), Err(PlaitError::InvalidArgument(_)))
+        matches!(unsafe { comm.collective(req, true) }, Err(PlaitError::InvalidArgument(_)))
     });
     assert!(results.iter().all(|ok| *ok));
 }
@@ -190,10 +189,10 @@ fn async_receives_posted_before_their_sends_do_not_deadlock() {
         let mut outbox = vec![r as f32; 1000];
         let mut works = Vec::new();
         for (p, buf) in inbox.iter_mut().enumerate().filter(|(p, _)| *p != r) {
-            works.push(comm.recv(f32_buf(buf), DType::F32, Some(p), 7, Some(Duration::from_secs(10)), false).unwrap());
+            works.push(unsafe { comm.recv(f32_buf(buf), DType::F32, Some(p), 7, Some(Duration::from_secs(10)), false) }.unwrap());
         }
         for p in (0..n).filter(|&p| p != r) {
-            works.push(comm.send(f32_buf(&mut outbox), DType::F32, p, 7, Some(Duration::from_secs(10)), false).unwrap());
+            works.push(unsafe { comm.send(f32_buf(&mut outbox), DType::F32, p, 7, Some(Duration::from_secs(10)), false) }.unwrap());
         }
         for w in works {
             w.wait(Some(Duration::from_secs(15))).expect("finished").unwrap();
@@ -211,14 +210,14 @@ fn async_messages_with_one_tag_match_in_call_order() {
             let mut a = vec![1.0f32; 4];
             let mut b = vec![2.0f32; 4];
             if comm.rank() == 0 {
-                let w1 = comm.send(f32_buf(&mut a), DType::F32, 1, 7, None, false).unwrap();
-                let w2 = comm.send(f32_buf(&mut b), DType::F32, 1, 7, None, false).unwrap();
+                let w1 = unsafe { comm.send(f32_buf(&mut a), DType::F32, 1, 7, None, false) }.unwrap();
+                let w2 = unsafe { comm.send(f32_buf(&mut b), DType::F32, 1, 7, None, false) }.unwrap();
                 w1.wait(None).unwrap().unwrap();
                 w2.wait(None).unwrap().unwrap();
             } else {
                 let (mut x, mut y) = (vec![0.0f32; 4], vec![0.0f32; 4]);
-                let r1 = comm.recv(f32_buf(&mut x), DType::F32, Some(0), 7, None, false).unwrap();
-                let r2 = comm.recv(f32_buf(&mut y), DType::F32, None, 7, None, false).unwrap();
+                let r1 = unsafe { comm.recv(f32_buf(&mut x), DType::F32, Some(0), 7, None, false) }.unwrap();
+                let r2 = unsafe { comm.recv(f32_buf(&mut y), DType::F32, None, 7, None, false) }.unwrap();
                 r1.wait(None).unwrap().unwrap();
                 r2.wait(None).unwrap().unwrap();
                 swapped += (x[0] != 1.0 || y[0] != 2.0) as usize;
@@ -269,14 +268,14 @@ fn several_streams_per_peer_keep_results_and_message_order() {
             if comm.rank() == 0 {
                 let mut bufs: Vec<Vec<f32>> = (0..4).map(|k| vec![(round * 4 + k) as f32; len]).collect();
                 let works: Vec<_> =
-                    bufs.iter_mut().map(|b| comm.send(f32_buf(b), DType::F32, 1, 9, None, false).unwrap()).collect();
+                    bufs.iter_mut().map(|b| unsafe { comm.send(f32_buf(b), DType::F32, 1, 9, None, false) }.unwrap()).collect();
                 for w in works {
                     w.wait(None).unwrap().unwrap();
                 }
             } else {
                 let mut bufs: Vec<Vec<f32>> = (0..4).map(|_| vec![0.0f32; len]).collect();
                 let works: Vec<_> =
-                    bufs.iter_mut().map(|b| comm.recv(f32_buf(b), DType::F32, None, 9, None, false).unwrap()).collect();
+                    bufs.iter_mut().map(|b| unsafe { comm.recv(f32_buf(b), DType::F32, None, 9, None, false) }.unwrap()).collect();
                 for w in works {
                     w.wait(None).unwrap().unwrap();
                 }
@@ -323,11 +322,11 @@ fn large_messages_arrive_when_nothing_follows_them() {
             let other = 1 - comm.rank();
             // Ping-pong: each message is the last thing its sender sends until it hears back.
             let result = if comm.rank() == 0 {
-                comm.send(buf(&mut msg), DType::U8, other, 3, None, true).and_then(|w| w.wait(None).unwrap())
-                    .and_then(|_| comm.recv(buf(&mut got), DType::U8, Some(other), 3, None, true)?.wait(None).unwrap())
+                unsafe { comm.send(buf(&mut msg), DType::U8, other, 3, None, true) }.and_then(|w| w.wait(None).unwrap())
+                    .and_then(|_| unsafe { comm.recv(buf(&mut got), DType::U8, Some(other), 3, None, true) }?.wait(None).unwrap())
             } else {
-                comm.recv(buf(&mut got), DType::U8, Some(other), 3, None, true).and_then(|w| w.wait(None).unwrap())
-                    .and_then(|_| comm.send(buf(&mut msg), DType::U8, other, 3, None, true)?.wait(None).unwrap())
+                unsafe { comm.recv(buf(&mut got), DType::U8, Some(other), 3, None, true) }.and_then(|w| w.wait(None).unwrap())
+                    .and_then(|_| unsafe { comm.send(buf(&mut msg), DType::U8, other, 3, None, true) }?.wait(None).unwrap())
             };
             match result {
                 Err(e) => errs.push(format!("{len} bytes: {e}")),
@@ -349,7 +348,7 @@ fn a_receive_aborted_mid_message_leaves_its_buffer_as_it_was() {
             let mut msg = vec![1u8; len];
             let buf = RawBuf { ptr: msg.as_mut_ptr(), len };
             // Fails once rank 1 aborts; only the receiver's buffer is judged.
-            let _ = comm.send(buf, DType::U8, 1, 4, None, true).map(|w| w.wait(None));
+            let _ = unsafe { comm.send(buf, DType::U8, 1, 4, None, true) }.map(|w| w.wait(None));
             return true;
         }
         let mut got = vec![7u8; len];
@@ -359,7 +358,7 @@ fn a_receive_aborted_mid_message_leaves_its_buffer_as_it_was() {
             std::thread::sleep(Duration::from_millis(20));
             c2.abort("test: abort mid-message");
         });
-        let result = comm.recv(buf, DType::U8, Some(0), 4, None, true).and_then(|w| w.wait(None).unwrap());
+        let result = unsafe { comm.recv(buf, DType::U8, Some(0), 4, None, true) }.and_then(|w| w.wait(None).unwrap());
         aborter.join().unwrap();
         result.is_err() && got.iter().all(|b| *b == 7)
     });

@@ -1,12 +1,7 @@
 //! `plait._core`: thin PyO3 bindings over plait-core. No logic lives here; every blocking call
 //! releases the GIL.
 
-use plait_core::codec::Wire;
-use plait_core::exec::RawBuf;
-use plait_core::group::{CollRequest, CommConfig, Communicator, Work};
-use plait_core::sched::{gen, Collective};
-use plait_core::store::Store;
-use plait_core::{DType, PlaitError, ReduceOp};
+use plait_core::{CollRequest, Collective, CommConfig, Communicator, DType, PlaitError, RawBuf, ReduceOp, Store, Wire, Work};
 use pyo3::prelude::*;
 use pyo3::sync::GILOnceCell;
 use pyo3::types::{PyBytes, PyDict, PyType};
@@ -242,7 +237,9 @@ impl PyComm {
             wire,
         };
         let comm = self.comm.clone();
-        let r = if inline { py.allow_threads(move || comm.collective(req, true)) } else { comm.collective(req, false) };
+        // SAFETY: the Python caller (plait.comm, plait.torch) keeps both buffers alive and
+        // untouched until the returned Work has completed: the contract of `plait_core::RawBuf`.
+        let r = if inline { py.allow_threads(move || unsafe { comm.collective(req, true) }) } else { unsafe { comm.collective(req, false) } };
         self.work(r)
     }
 
@@ -251,7 +248,8 @@ impl PyComm {
     fn send(&self, py: Python<'_>, ptr: usize, nbytes: usize, dtype: &str, dst: usize, tag: u64, timeout: Option<f64>, inline: bool) -> PyResult<PyWork> {
         let (dt, t, comm) = (self::dtype(dtype)?, secs(timeout)?, self.comm.clone());
         let data = buf(ptr, nbytes);
-        let r = py.allow_threads(move || comm.send(data, dt, dst, tag, t, inline));
+        // SAFETY: as in `collective`: the caller keeps the buffer until the Work completes.
+        let r = py.allow_threads(move || unsafe { comm.send(data, dt, dst, tag, t, inline) });
         self.work(r)
     }
 
@@ -261,7 +259,8 @@ impl PyComm {
         let (dt, t, comm) = (self::dtype(dtype)?, secs(timeout)?, self.comm.clone());
         let src = if src < 0 { None } else { Some(src as usize) };
         let data = buf(ptr, nbytes);
-        let r = py.allow_threads(move || comm.recv(data, dt, src, tag, t, inline));
+        // SAFETY: as in `collective`: the caller keeps the buffer until the Work completes.
+        let r = py.allow_threads(move || unsafe { comm.recv(data, dt, src, tag, t, inline) });
         self.work(r)
     }
 
@@ -322,13 +321,13 @@ impl PyComm {
 /// The algorithm names `PLAIT_ALGO` accepts for a collective, the default first.
 #[pyfunction]
 fn algorithms(coll: &str) -> PyResult<Vec<String>> {
-    Ok(gen::algorithms(collective(coll)?).iter().map(|s| s.to_string()).collect())
+    Ok(plait_core::algorithms(collective(coll)?).iter().map(|s| s.to_string()).collect())
 }
 
 /// This host's interface addresses as plait sees them (what each rank publishes).
 #[pyfunction]
 fn interfaces(py: Python<'_>) -> PyResult<Vec<Bound<'_, PyDict>>> {
-    plait_core::net::iface::list_interfaces()
+    plait_core::list_interfaces()
         .into_iter()
         .map(|a| {
             let d = PyDict::new(py);
@@ -346,11 +345,11 @@ fn interfaces(py: Python<'_>) -> PyResult<Vec<Bound<'_, PyDict>>> {
 /// and one network stack); None where the system does not say.
 #[pyfunction]
 fn host_identity() -> Option<String> {
-    plait_core::platform::host::host_identity()
+    plait_core::host_identity()
 }
 
 fn init_logging() {
-    if let Ok(level) = std::env::var("PLAIT_DEBUG") {
+    if let Some(level) = plait_core::setting("PLAIT_DEBUG") {
         let filter = tracing_subscriber::EnvFilter::try_new(format!("plait_core={}", level.to_lowercase()))
             .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("plait_core=info"));
         let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init();

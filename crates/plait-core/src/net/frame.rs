@@ -2,7 +2,8 @@
 //! what it carries, so that ranks calling different collectives, counts, dtypes or algorithms get
 //! a clear error instead of corrupt data.
 
-use std::io::{self, Read};
+use crate::error::PlaitError;
+use std::io;
 
 pub const MAGIC: u32 = u32::from_le_bytes(*b"PLT1");
 pub const HEADER_LEN: usize = 64;
@@ -60,7 +61,65 @@ pub struct FrameHeader {
     pub layout_id: u32,
 }
 
+/// Tags at and above this are plait's own (link probes); users get the ones below.
+pub const RESERVED_TAGS: u64 = 1 << 63;
+/// A probe that the peer's receiver thread answers at once with a `PONG_TAG` message carrying
+/// the same word, so the round trip measures the link, not how far along the peer is.
+pub const PING_TAG: u64 = u64::MAX;
+pub const PONG_TAG: u64 = u64::MAX - 1;
+
+/// What names one collective call on the wire. A receiver compares it with its own call's, so
+/// ranks that disagree about the call (collective, dtype, op, root, algorithm, counts) fail
+/// with a mismatch instead of exchanging garbage.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct CallId {
+    pub coll: u8,
+    pub dtype: u8,
+    pub op: u8,
+    pub root: u32,
+    pub seq: u64,
+    pub sched_id: u32,
+    pub layout_id: u32,
+}
+
 impl FrameHeader {
+    /// A segment of collective `call`: step, segment and ordinal place it in the schedule.
+    pub fn data(call: &CallId, step: u32, segment: u32, ordinal: u32, count: u64, nbytes: u64) -> FrameHeader {
+        FrameHeader {
+            kind: FrameKind::Data as u8,
+            coll: call.coll,
+            dtype: call.dtype,
+            op: call.op,
+            seq: call.seq,
+            step,
+            segment,
+            ordinal,
+            root: call.root,
+            count,
+            nbytes,
+            sched_id: call.sched_id,
+            layout_id: call.layout_id,
+        }
+    }
+
+    /// The `ordinal`-th message from this rank to one peer with `tag`.
+    pub fn p2p(tag: u64, ordinal: u32, dtype: u8, count: u64, nbytes: u64) -> FrameHeader {
+        FrameHeader { kind: FrameKind::P2p as u8, dtype, seq: tag, ordinal, count, nbytes, ..Default::default() }
+    }
+
+    /// The call this frame belongs to (a point-to-point message: its tag and dtype only).
+    pub fn call(&self) -> CallId {
+        CallId {
+            coll: self.coll,
+            dtype: self.dtype,
+            op: self.op,
+            root: self.root,
+            seq: self.seq,
+            sched_id: self.sched_id,
+            layout_id: self.layout_id,
+        }
+    }
+
     pub fn encode(&self) -> [u8; HEADER_LEN] {
         let mut b = [0u8; HEADER_LEN];
         b[0..4].copy_from_slice(&MAGIC.to_le_bytes());
@@ -110,17 +169,83 @@ impl FrameHeader {
         }
         Ok(h)
     }
+}
 
-    pub fn read_from(r: &mut impl Read) -> io::Result<FrameHeader> {
-        let mut b = [0u8; HEADER_LEN];
-        r.read_exact(&mut b)?;
-        FrameHeader::decode(&b)
+/// Why a communicator failed, as carried by an Abort frame: the rank to blame, its address, the
+/// rank that saw it happen first, and what happened. Receivers relay it once, so a rank whose
+/// link to the reporter is down still learns the culprit instead of blaming the relaying rank.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AbortReason {
+    pub culprit: usize,
+    pub addr: String,
+    pub reporter: usize,
+    pub what: String,
+}
+
+impl AbortReason {
+    /// The reason `reporter` gives its peers for failing with `err`.
+    pub fn of(reporter: usize, err: &PlaitError) -> AbortReason {
+        match err {
+            PlaitError::Peer { peer, addr, what, .. } => {
+                AbortReason { culprit: *peer, addr: addr.clone(), reporter, what: what.clone() }
+            }
+            other => AbortReason { culprit: reporter, addr: String::new(), reporter, what: other.to_string() },
+        }
+    }
+
+    pub fn encode(&self) -> String {
+        format!("{}\n{}\n{}\n{}", self.culprit, self.addr, self.reporter, self.what)
+    }
+
+    /// Reads an Abort payload that arrived from `sender`; unreadable text blames the sender.
+    pub fn parse(sender: usize, text: &str) -> AbortReason {
+        let mut lines = text.splitn(4, '\n');
+        let culprit = lines.next().and_then(|l| l.parse().ok());
+        let addr = lines.next();
+        let reporter = lines.next().and_then(|l| l.parse().ok());
+        match (culprit, addr, reporter, lines.next()) {
+            (Some(culprit), Some(addr), Some(reporter), Some(what)) => {
+                AbortReason { culprit, addr: addr.to_string(), reporter, what: what.to_string() }
+            }
+            _ => AbortReason { culprit: sender, addr: String::new(), reporter: sender, what: text.to_string() },
+        }
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::Duration;
+
+    #[test]
+    fn abort_reason_survives_the_wire_and_keeps_the_reporter() {
+        let err = PlaitError::Peer {
+            op: "allreduce #5".into(),
+            peer: 1,
+            addr: "10.1.2.2:4000".into(),
+            what: "silent for 4.0s\nsecond line".into(),
+            waited: Duration::from_secs(4),
+        };
+        let reason = AbortReason::of(0, &err);
+        assert_eq!(AbortReason::parse(2, &reason.encode()), reason);
+        assert_eq!(reason.culprit, 1);
+        assert_eq!(reason.reporter, 0);
+        let own = AbortReason::of(3, &PlaitError::Aborted { op: String::new(), reason: "by the user".into() });
+        assert_eq!((own.culprit, own.reporter), (3, 3));
+        let junk = AbortReason::parse(4, "not a reason");
+        assert_eq!((junk.culprit, junk.reporter, junk.what.as_str()), (4, 4, "not a reason"));
+    }
+
+    #[test]
+    fn a_data_header_carries_its_call_and_place() {
+        let call = CallId { coll: 1, dtype: 2, op: 3, root: 4, seq: 5, sched_id: 6, layout_id: 7 };
+        let h = FrameHeader::data(&call, 8, 9, 10, 11, 12);
+        let back = FrameHeader::decode(&h.encode()).unwrap();
+        assert_eq!(back.call(), call);
+        assert_eq!((back.kind, back.step, back.segment, back.ordinal, back.count, back.nbytes), (FrameKind::Data as u8, 8, 9, 10, 11, 12));
+        let p = FrameHeader::p2p(PING_TAG, 3, 0, 8, 8);
+        assert_eq!((p.kind, p.seq, p.ordinal), (FrameKind::P2p as u8, PING_TAG, 3));
+    }
 
     #[test]
     fn header_round_trips_and_rejects_garbage() {

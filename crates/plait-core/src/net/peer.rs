@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 /// one packet for small messages instead of two.
 const EAGER_MAX: usize = 64 * 1024;
 
-/// Receives what a peer sends. Implemented by the executor's mailbox.
+/// Receives what a peer sends: implemented by the session's `Demux`, which routes each frame.
 pub trait Inbox: Send + Sync {
     /// Must consume exactly `header.nbytes` bytes from `payload` (or fail).
     fn deliver(&self, peer: usize, header: &FrameHeader, payload: &mut dyn Read) -> io::Result<()>;
@@ -53,7 +53,6 @@ pub struct SendReq {
 /// their headers say, and control frames (Abort, Close) go on every lane so that each lane's
 /// reader hears them before it sees that lane close.
 pub struct PeerLink {
-    pub peer: usize,
     pub addr: String,
     lanes: Vec<Lane>,
     /// Which lane the next large payload takes.
@@ -116,7 +115,6 @@ impl PeerLink {
             lanes.push(Lane { stream, writer, queue, urgent, last_rx, read });
         }
         Ok(Arc::new(PeerLink {
-            peer,
             addr,
             lanes,
             next_lane: AtomicUsize::new(0),

@@ -212,6 +212,30 @@ impl IfaceFilter {
     }
 }
 
+/// Among subnet matches, a subnet this peer alone shares with us (a cable) goes before one that
+/// other ranks are on too (a LAN or switch), whatever the interfaces report as speed: a shared
+/// medium divides its bandwidth, a cable does not. The order is otherwise kept.
+/// `others` holds the addresses of every rank except the peer.
+pub fn prefer_dedicated(mut candidates: Vec<Route>, others: &[&[IfaceAddr]]) -> Vec<Route> {
+    let sharing = |r: &Route| -> usize {
+        if r.local.is_loopback() || !r.reason.starts_with("subnet match") {
+            return 0;
+        }
+        others.iter().filter(|addrs| addrs.iter().any(|a| r.local.contains(a.ip) && a.ip != r.local.ip)).count()
+    };
+    let keyed: Vec<(bool, usize)> = candidates.iter().map(|r| (r.reason.starts_with("subnet match"), sharing(r))).collect();
+    let mut order: Vec<usize> = (0..candidates.len()).collect();
+    // Only subnet matches move, and only among themselves.
+    let subnet_slots: Vec<usize> = order.iter().copied().filter(|&i| keyed[i].0).collect();
+    let mut sorted = subnet_slots.clone();
+    sorted.sort_by_key(|&i| keyed[i].1);
+    for (slot, i) in subnet_slots.iter().zip(sorted) {
+        order[*slot] = i;
+    }
+    let mut taken: Vec<Option<Route>> = candidates.drain(..).map(Some).collect();
+    order.into_iter().map(|i| taken[i].take().unwrap()).collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

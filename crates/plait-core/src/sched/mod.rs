@@ -229,12 +229,6 @@ pub struct Step {
     pub locals: Vec<LocalOp>,
 }
 
-impl Step {
-    pub fn is_empty(&self) -> bool {
-        self.sends.is_empty() && self.recvs.is_empty() && self.locals.is_empty()
-    }
-}
-
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Schedule {
     /// Algorithm name as `PLAIT_ALGO` spells it (`ring`, `direct`, ...).

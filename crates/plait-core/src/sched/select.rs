@@ -72,24 +72,6 @@ impl Selector {
         }
     }
 
-    /// Reads overrides from `PLAIT_ALGO` (unset or empty: none).
-    pub fn from_env(model: LinkModel, segment_bytes: usize) -> Result<Self, PlaitError> {
-        let spec = std::env::var("PLAIT_ALGO").unwrap_or_default();
-        Ok(Selector::new(parse_algo_spec(&spec)?, model, segment_bytes))
-    }
-
-    pub fn model(&self) -> &LinkModel {
-        &self.model
-    }
-
-    pub fn segment_bytes(&self) -> usize {
-        self.segment_bytes
-    }
-
-    pub fn overrides(&self) -> &HashMap<Collective, String> {
-        &self.overrides
-    }
-
     /// The generated and verified schedule for `algo`, built once per (coll, algo, n, root).
     pub fn schedule(
         &self,
@@ -149,6 +131,7 @@ impl Selector {
     }
 
     /// Every automatic candidate with its estimated seconds, in [`algorithms`] order.
+    #[cfg(test)]
     pub fn candidates(
         &self,
         coll: Collective,

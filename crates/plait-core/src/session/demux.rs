@@ -1,9 +1,12 @@
-//! Turns what the links report into mailbox deliveries and communicator failures.
+//! Routes what the links report: data and point-to-point frames to the mailbox, link probes
+//! answered at once, Close and Abort frames and links that end turned into peer closures and
+//! communicator failures (with the blame worked out in `blame`).
 
+use super::blame::{self, Down};
+use super::mailbox::Mailbox;
+use super::Session;
 use crate::error::PlaitError;
-use crate::exec::fabric::{AbortReason, Fabric};
-use crate::exec::mailbox::Mailbox;
-use crate::net::frame::{FrameHeader, FrameKind};
+use crate::net::frame::{AbortReason, FrameHeader, FrameKind, PING_TAG, PONG_TAG};
 use crate::net::peer::Inbox;
 use parking_lot::Mutex;
 use std::collections::HashMap;
@@ -16,14 +19,14 @@ use std::time::{Duration, Instant};
 /// to it closes within this time too, so the report names the rank that really died.
 const DOWN_GRACE: Duration = Duration::from_millis(100);
 
-pub(super) struct CommInbox {
+pub(crate) struct Demux {
     mailbox: Arc<Mailbox>,
-    fabric: Mutex<Weak<Fabric>>,
-    /// A failure reported before the fabric existed (during set-up).
+    session: Mutex<Weak<Session>>,
+    /// A failure reported before the session existed (during set-up).
     early: Mutex<Option<(PlaitError, bool)>>,
     /// Links seen closing without explanation: (peer, when, why).
-    downs: Mutex<Vec<(usize, Instant, String)>>,
-    /// Pings that arrived before the fabric existed, answered on attach.
+    downs: Mutex<Vec<Down>>,
+    /// Pings that arrived before the session existed, answered on attach.
     early_pings: Mutex<Vec<(usize, FrameHeader, Vec<u8>)>>,
     /// A link silent for longer than this (several missed heartbeats) is cut off or hung.
     quiet: Duration,
@@ -32,11 +35,11 @@ pub(super) struct CommInbox {
     closes: Mutex<HashMap<usize, usize>>,
 }
 
-impl CommInbox {
-    pub(super) fn new(mailbox: Arc<Mailbox>, heartbeat: Duration) -> Self {
-        CommInbox {
+impl Demux {
+    pub(crate) fn new(mailbox: Arc<Mailbox>, heartbeat: Duration) -> Self {
+        Demux {
             mailbox,
-            fabric: Mutex::new(Weak::new()),
+            session: Mutex::new(Weak::new()),
             early: Mutex::new(None),
             downs: Mutex::new(Vec::new()),
             early_pings: Mutex::new(Vec::new()),
@@ -45,23 +48,23 @@ impl CommInbox {
         }
     }
 
-    pub(super) fn attach(&self, fabric: &Arc<Fabric>) {
+    pub(crate) fn attach(&self, session: &Arc<Session>) {
         {
             // Hold the slot while answering early pings, so a ping arriving now waits its turn.
-            let mut slot = self.fabric.lock();
-            *slot = Arc::downgrade(fabric);
+            let mut slot = self.session.lock();
+            *slot = Arc::downgrade(session);
             for (peer, h, word) in self.early_pings.lock().drain(..) {
-                answer_ping(fabric, peer, &h, word);
+                answer_ping(session, peer, &h, word);
             }
         }
         if let Some((err, tell)) = self.early.lock().take() {
-            fabric.fail(err, tell);
+            session.fail(err, tell);
         }
     }
 
     fn fail(&self, err: PlaitError, tell_peers: bool) {
-        let fabric = self.fabric.lock().upgrade();
-        match fabric {
+        let session = self.session.lock().upgrade();
+        match session {
             Some(f) => {
                 f.fail(err, tell_peers);
             }
@@ -73,8 +76,8 @@ impl CommInbox {
     }
 
     fn fail_relaying(&self, err: PlaitError, reason: AbortReason) {
-        let fabric = self.fabric.lock().upgrade();
-        match fabric {
+        let session = self.session.lock().upgrade();
+        match session {
             Some(f) => {
                 f.fail_with(err, Some(reason));
             }
@@ -84,53 +87,20 @@ impl CommInbox {
 
     /// What an Abort frame from `sender` means here: the error this rank's operations fail with.
     fn explain_abort(&self, sender: usize, reason: &AbortReason) -> PlaitError {
-        let via = if reason.reporter == sender { String::new() } else { format!(", relayed by rank {sender}") };
-        let fabric = self.fabric.lock().upgrade();
-        let me = fabric.as_ref().map(|f| f.rank);
-        let (mut blamed, mut addr, mut what) = if reason.culprit == reason.reporter {
-            (reason.reporter, self.addr(reason.reporter), format!("failed: {}{via}", reason.what))
-        } else if Some(reason.culprit) == me {
-            // The reporter lost contact with this rank (a dead link between the two): from
-            // here, the reporter is the peer that is out of reach.
-            (reason.reporter, self.addr(reason.reporter), format!("lost contact with this rank and gave up ({}){via}", reason.what))
-        } else {
-            let addr = if reason.addr.is_empty() { self.addr(reason.culprit) } else { reason.addr.clone() };
-            (reason.culprit, addr, format!("{} (reported by rank {}{via})", reason.what, reason.reporter))
-        };
-        // A link of this rank that went quiet (a cut cable, a stopped process), other than the
-        // ones the report is about.
-        let silent = fabric
-            .map(|f| f.silent_peers(self.quiet))
-            .unwrap_or_default()
-            .into_iter()
-            .find(|(p, _)| ![sender, reason.culprit, reason.reporter].contains(p));
-        if let Some((p, d)) = silent {
-            if blamed == reason.reporter {
-                // The reporter most likely gave up because this rank was itself waiting on its
-                // silent link: that link is the cause here.
-                what = format!("silent for {d:.1?} (cut off, stopped or hung); meanwhile rank {blamed} {what}");
-                (blamed, addr) = (p, self.addr(p));
-            } else {
-                what = format!("{what}; rank {p} ({}) has also been silent for {d:.1?}", self.addr(p));
-            }
-        }
-        PlaitError::Peer { op: String::new(), peer: blamed, addr, what, waited: Duration::ZERO }
+        let session = self.session.lock().upgrade();
+        let me = session.as_ref().map(|f| f.rank);
+        let silent = session.map(|f| f.silent_peers(self.quiet)).unwrap_or_default();
+        blame::explain_abort(me, sender, reason, &|p| self.addr(p), &silent)
     }
 
     fn addr(&self, peer: usize) -> String {
-        self.fabric.lock().upgrade().map(|f| f.peer_addr(peer)).unwrap_or_default()
+        self.session.lock().upgrade().map(|f| f.peer_addr(peer)).unwrap_or_default()
     }
 }
 
-fn answer_ping(f: &Fabric, peer: usize, h: &FrameHeader, word: Vec<u8>) {
-    let pong = FrameHeader {
-        kind: FrameKind::P2p as u8,
-        dtype: h.dtype,
-        seq: super::PONG_TAG,
-        ordinal: f.p2p_ordinal(peer, super::PONG_TAG),
-        count: word.len() as u64,
-        ..Default::default()
-    };
+fn answer_ping(f: &Session, peer: usize, h: &FrameHeader, word: Vec<u8>) {
+    let n = word.len() as u64;
+    let pong = FrameHeader::p2p(PONG_TAG, f.p2p_ordinal(peer, PONG_TAG), h.dtype, n, n);
     f.link(peer).send_owned(pong, word);
 }
 
@@ -141,13 +111,13 @@ fn read_text(payload: &mut dyn Read, max: usize) -> io::Result<String> {
     Ok(String::from_utf8_lossy(&buf).into_owned())
 }
 
-impl Inbox for CommInbox {
+impl Inbox for Demux {
     fn deliver(&self, peer: usize, h: &FrameHeader, payload: &mut dyn Read) -> io::Result<()> {
         match FrameKind::from_u8(h.kind) {
-            Some(FrameKind::P2p) if h.seq == super::PING_TAG => {
+            Some(FrameKind::P2p) if h.seq == PING_TAG => {
                 // Answered here, on the receiver thread, so the prober measures the link alone.
                 let word = read_text(payload, 8)?.into_bytes();
-                let slot = self.fabric.lock();
+                let slot = self.session.lock();
                 match slot.upgrade() {
                     Some(f) => answer_ping(&f, peer, h, word),
                     None => self.early_pings.lock().push((peer, *h, word)),
@@ -165,7 +135,7 @@ impl Inbox for CommInbox {
             }
             Some(FrameKind::Close) => {
                 read_text(payload, 0)?;
-                let lanes = self.fabric.lock().upgrade().and_then(|f| f.links.get(peer)?.as_ref().map(|l| l.lanes())).unwrap_or(1);
+                let lanes = self.session.lock().upgrade().and_then(|f| f.links.get(peer)?.as_ref().map(|l| l.lanes())).unwrap_or(1);
                 let closes = {
                     let mut c = self.closes.lock();
                     let n = c.entry(peer).or_insert(0);
@@ -194,12 +164,7 @@ impl Inbox for CommInbox {
         if clean {
             return;
         }
-        let what = match error.kind() {
-            io::ErrorKind::UnexpectedEof => "closed the connection (the process exited or was killed)".to_string(),
-            io::ErrorKind::ConnectionReset => "reset the connection (the process died or the link dropped)".to_string(),
-            io::ErrorKind::InvalidData => format!("sent data this rank cannot read: {error}"),
-            _ => format!("link failed: {error}"),
-        };
+        let what = blame::link_end(&error);
         let first = {
             let mut downs = self.downs.lock();
             // With several lanes to a peer, each lane reports its end: the first one tells.
@@ -213,20 +178,11 @@ impl Inbox for CommInbox {
             return;
         }
         std::thread::sleep(DOWN_GRACE);
-        if self.fabric.lock().upgrade().is_some_and(|f| f.broken().is_some()) {
+        if self.session.lock().upgrade().is_some_and(|f| f.broken().is_some()) {
             return;
         }
         let downs = self.downs.lock().clone();
-        let (peer, _, what) = &downs[0];
-        let mut what = what.clone();
-        if downs.len() > 1 {
-            let others: Vec<String> = downs[1..]
-                .iter()
-                .map(|(p, t, _)| format!("rank {p} ({}, {:.0?} later)", self.addr(*p), t.duration_since(downs[0].1)))
-                .collect();
-            what = format!("{what}; the links to {} closed too", others.join(", "));
-        }
-        let err = PlaitError::Peer { op: String::new(), peer: *peer, addr: self.addr(*peer), what, waited: Duration::ZERO };
+        let err = blame::links_down(&downs, &|p| self.addr(p));
         self.fail(err, true);
     }
 }

@@ -1,17 +1,42 @@
-//! What an executing operation needs from its communicator: the links, the mailbox, and the
-//! one-way switch that marks the communicator failed.
+//! The live mesh that every operation of a communicator shares: the links to the peers, the
+//! mailbox that matches arriving frames with posted receives, incoming-frame routing and control
+//! frames (`demux`), who is to blame when something fails (`blame`), the one-way switch that
+//! marks the communicator failed, and the buffer pool.
+//!
+//! Data flows one way: a link's reader (`net`) hands each frame to the `Demux`, which answers
+//! control frames and passes data to the `Mailbox`, which lands it in the memory an operation
+//! (`exec`) posted and reports an `Event` to that operation. Operations go down through
+//! `Session`: they send on its links and post receives in its mailbox.
 
-use super::mailbox::Mailbox;
-use crate::error::PlaitError;
-use crate::net::frame::FrameKind;
-use crate::net::peer::{CallerPoll, PeerLink};
+mod blame;
+mod demux;
+pub(crate) mod landing;
+pub(crate) mod mailbox;
+pub(crate) mod pool;
+
+pub(crate) use demux::Demux;
+pub(crate) use landing::{Keep, Landing, Part};
+pub(crate) use mailbox::{describe_header, Expect, Mailbox, Posted};
+
+use crate::error::{PlaitError, Result};
+use crate::net::frame::{AbortReason, FrameHeader, FrameKind};
+use crate::net::peer::{CallerPoll, PeerLink, SendBuf, SendReq};
+use crossbeam_channel::Sender;
 use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-pub struct Fabric {
+/// Completion of one transfer, reported to the operation that started it.
+pub(crate) struct Event {
+    pub token: u32,
+    pub result: Result<()>,
+    /// The peer the transfer was with.
+    pub source: usize,
+}
+
+pub(crate) struct Session {
     pub rank: usize,
     pub size: usize,
     /// Filled by `attach_link`.
@@ -32,49 +57,9 @@ pub struct Fabric {
     p2p_send_next: Mutex<HashMap<(usize, u64), u32>>,
 }
 
-/// Why a communicator failed, as carried by an Abort frame: the rank to blame, its address, the
-/// rank that saw it happen first, and what happened. Receivers relay it once, so a rank whose
-/// link to the reporter is down still learns the culprit instead of blaming the relaying rank.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct AbortReason {
-    pub culprit: usize,
-    pub addr: String,
-    pub reporter: usize,
-    pub what: String,
-}
-
-impl AbortReason {
-    fn of(reporter: usize, err: &PlaitError) -> AbortReason {
-        match err {
-            PlaitError::Peer { peer, addr, what, .. } => {
-                AbortReason { culprit: *peer, addr: addr.clone(), reporter, what: what.clone() }
-            }
-            other => AbortReason { culprit: reporter, addr: String::new(), reporter, what: other.to_string() },
-        }
-    }
-
-    fn encode(&self) -> String {
-        format!("{}\n{}\n{}\n{}", self.culprit, self.addr, self.reporter, self.what)
-    }
-
-    /// Reads an Abort payload that arrived from `sender`; unreadable text blames the sender.
-    pub fn parse(sender: usize, text: &str) -> AbortReason {
-        let mut lines = text.splitn(4, '\n');
-        let culprit = lines.next().and_then(|l| l.parse().ok());
-        let addr = lines.next();
-        let reporter = lines.next().and_then(|l| l.parse().ok());
-        match (culprit, addr, reporter, lines.next()) {
-            (Some(culprit), Some(addr), Some(reporter), Some(what)) => {
-                AbortReason { culprit, addr: addr.to_string(), reporter, what: what.to_string() }
-            }
-            _ => AbortReason { culprit: sender, addr: String::new(), reporter: sender, what: text.to_string() },
-        }
-    }
-}
-
-impl Fabric {
-    pub fn new(rank: usize, size: usize, mailbox: Arc<Mailbox>) -> std::io::Result<Fabric> {
-        Ok(Fabric {
+impl Session {
+    pub fn new(rank: usize, size: usize, mailbox: Arc<Mailbox>) -> std::io::Result<Session> {
+        Ok(Session {
             rank,
             size,
             links: (0..size).map(|_| None).collect(),
@@ -98,6 +83,29 @@ impl Fabric {
 
     pub fn link(&self, peer: usize) -> &PeerLink {
         self.links[peer].as_deref().expect("no link to self")
+    }
+
+    /// Queues a frame of `len` bytes at `src` for `peer`. Once it is written (or the link has
+    /// failed) an `Event` with `token` goes to `events`; `owned` (a bundle's payload that `src`
+    /// points into) is kept alive until then.
+    #[allow(clippy::too_many_arguments)]
+    pub fn send_frame(&self, peer: usize, header: FrameHeader, src: *const u8, len: usize, owned: Option<Vec<u8>>, what: Arc<str>, token: u32, events: Sender<Event>) {
+        let addr = self.peer_addr(peer);
+        self.link(peer).send(SendReq {
+            header,
+            data: SendBuf { ptr: src, len },
+            done: Some(Box::new(move |r| {
+                drop(owned);
+                let result = r.map_err(|e| PlaitError::Peer {
+                    op: what.to_string(),
+                    peer,
+                    addr,
+                    what: format!("could not be sent to: {e}"),
+                    waited: Duration::ZERO,
+                });
+                let _ = events.send(Event { token, result, source: peer });
+            })),
+        });
     }
 
     pub fn peer_addr(&self, peer: usize) -> String {
@@ -220,29 +228,5 @@ impl Fabric {
         for link in self.links.iter().flatten() {
             link.join();
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn abort_reason_survives_the_wire_and_keeps_the_reporter() {
-        let err = PlaitError::Peer {
-            op: "allreduce #5".into(),
-            peer: 1,
-            addr: "10.1.2.2:4000".into(),
-            what: "silent for 4.0s\nsecond line".into(),
-            waited: Duration::from_secs(4),
-        };
-        let reason = AbortReason::of(0, &err);
-        assert_eq!(AbortReason::parse(2, &reason.encode()), reason);
-        assert_eq!(reason.culprit, 1);
-        assert_eq!(reason.reporter, 0);
-        let own = AbortReason::of(3, &PlaitError::Aborted { op: String::new(), reason: "by the user".into() });
-        assert_eq!((own.culprit, own.reporter), (3, 3));
-        let junk = AbortReason::parse(4, "not a reason");
-        assert_eq!((junk.culprit, junk.reporter, junk.what.as_str()), (4, 4, "not a reason"));
     }
 }

@@ -26,10 +26,6 @@ struct Kept {
 }
 
 impl BufferPool {
-    pub fn new() -> Self {
-        Self::default()
-    }
-
     /// A buffer of exactly `len` bytes with unspecified (initialised) contents.
     pub fn take(&self, len: usize) -> Vec<u8> {
         if len == 0 {
@@ -89,7 +85,7 @@ mod tests {
 
     #[test]
     fn reuses_buffers_of_a_fitting_size_only() {
-        let pool = BufferPool::new();
+        let pool = BufferPool::default();
         let big = pool.take(64 << 20);
         let big_ptr = big.as_ptr();
         pool.give(big);

@@ -5,15 +5,15 @@
 //! produces exactly one completion event: from the receiver thread, from `fail`, or not at all
 //! when its operation cancels it (and then knows it).
 
+use super::landing::Landing;
+use super::pool::BufferPool;
 use super::Event;
-use crate::dtype::{DType, ReduceOp};
+use crate::codec::Wire;
+use crate::dtype::DType;
 use crate::error::PlaitError;
-use crate::codec::{self, Wire};
-use crate::kernels;
-use crate::net::frame::{FrameHeader, FrameKind};
+use crate::net::frame::{CallId, FrameHeader, FrameKind};
 use crossbeam_channel::Sender;
 use parking_lot::Mutex;
-use std::cell::RefCell;
 use std::collections::HashMap;
 use std::io::{self, Read};
 use std::sync::Arc;
@@ -24,90 +24,12 @@ pub type Key = (usize, u8, u64, u32, u32, u32);
 /// What the receiving side expects the frame to say; any difference is a mismatch.
 #[derive(Clone, Debug)]
 pub struct Expect {
-    pub coll: u8,
-    pub dtype: u8,
-    pub op: u8,
-    pub root: u32,
+    /// The call (its `seq` is already part of the key the frame matched).
+    pub call: CallId,
     pub count: u64,
     pub nbytes: u64,
-    pub sched_id: u32,
-    pub layout_id: u32,
     /// "allreduce #12 (f32, sum, 1000 elements)": for error messages.
     pub what: Arc<str>,
-}
-
-/// Where the bytes of one output region go before anything overwrites them, so that a failed
-/// operation can put them back. One per region, shared by everything that writes the region
-/// (receives on any receiver thread, the operation's own local steps). Writers keep the region
-/// from its start up to the end of what they are about to write, on their own thread, just
-/// before writing: a receive never waits for a copy to be posted, a region nobody wrote is never
-/// copied, and a receive landing piece by piece copies each piece while it is in the cache it
-/// is about to be reduced or received in.
-pub struct Keep {
-    region: *mut u8,
-    copy: *mut u8,
-    len: usize,
-    /// Bytes of the region kept so far, from its start.
-    kept: Mutex<usize>,
-}
-// SAFETY: both pointers refer to buffers the operation keeps alive until every transfer has
-// completed or been cancelled; `kept` serialises the copying.
-unsafe impl Send for Keep {}
-unsafe impl Sync for Keep {}
-
-impl Keep {
-    /// # Safety
-    /// `region` and `copy` must be valid for `len` bytes for as long as the Keep is used.
-    pub unsafe fn new(region: *mut u8, copy: *mut u8, len: usize) -> Keep {
-        Keep { region, copy, len, kept: Mutex::new(0) }
-    }
-
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    /// Call before writing anything below byte `end` of the region.
-    pub fn before_write(&self, end: usize) {
-        let end = end.min(self.len);
-        let mut kept = self.kept.lock();
-        if *kept < end {
-            let (a, n) = (*kept, end - *kept);
-            // Streaming stores: the copy is only read back after a failure.
-            // SAFETY: a..a + n lies inside both buffers (see `new`).
-            kernels::copy_streaming(unsafe { super::bytes_mut(self.copy.add(a), n) }, unsafe { super::bytes(self.region.add(a), n) });
-            *kept = end;
-        }
-    }
-
-    /// Puts back what was kept (everything anybody was about to overwrite).
-    pub fn restore(&self) {
-        let kept = *self.kept.lock();
-        unsafe { super::bytes_mut(self.region, kept) }.copy_from_slice(unsafe { super::bytes(self.copy, kept) });
-    }
-}
-
-fn before_write(keep: &Option<Arc<Keep>>, end: usize) {
-    if let Some(k) = keep {
-        k.before_write(end);
-    }
-}
-
-pub enum Landing {
-    /// Read the payload into `dst`.
-    Copy { dst: *mut u8, keep: Option<Arc<Keep>> },
-    /// `dst = with (+) payload`; `with` may equal `dst` (accumulate). `lock` serialises
-    /// accumulations into the same destination by different receiver threads.
-    Reduce { dst: *mut u8, with: *const u8, dtype: DType, op: ReduceOp, lock: Arc<Mutex<()>>, keep: Option<Arc<Keep>> },
-    /// Several small transfers of one step from the same peer, sent as one frame: the payload
-    /// is their wire bytes back to back, in ordinal order.
-    Bundle(Vec<Part>),
-}
-
-/// One transfer inside a bundle: where it lands, its size there and on the wire.
-pub struct Part {
-    pub landing: Landing,
-    pub len: usize,
-    pub wire_len: usize,
 }
 
 pub struct Posted {
@@ -157,16 +79,7 @@ impl Inner {
 pub struct Mailbox {
     inner: Mutex<Inner>,
     /// Buffers for early frames, shared with the executor's snapshots and scratch.
-    pub pool: super::pool::BufferPool,
-}
-
-/// Receives land this much at a time: each piece is kept (see `Keep`) and, for a reducing
-/// receive, reduced while it is still in cache (a multiple of every element size).
-const LANDING_PIECE: usize = 256 * 1024;
-
-thread_local! {
-    static REDUCE_TMP: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
-    static DECODE_TMP: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
+    pub pool: BufferPool,
 }
 
 impl Mailbox {
@@ -441,18 +354,18 @@ fn take_locked(inner: &mut Inner, peer: usize, key: Key) -> Option<Posted> {
 }
 
 fn check(peer: usize, h: &FrameHeader, p: &Posted) -> Result<(), PlaitError> {
-    let e = &p.expect;
-    let theirs = describe_header(h);
+    let (e, theirs) = (&p.expect, h.call());
+    let described = describe_header(h);
     let mismatch = |detail: String| PlaitError::Mismatch { op: e.what.to_string(), peer, detail };
-    if h.coll != e.coll || h.root != e.root || h.op != e.op || h.sched_id != e.sched_id {
-        return Err(mismatch(format!("rank {peer} sent {theirs}; this rank runs {}", e.what)));
+    if theirs.coll != e.call.coll || theirs.root != e.call.root || theirs.op != e.call.op || theirs.sched_id != e.call.sched_id {
+        return Err(mismatch(format!("rank {peer} sent {described}; this rank runs {}", e.what)));
     }
-    if h.dtype != e.dtype {
-        return Err(mismatch(format!("rank {peer} sent {theirs}; dtypes differ")));
+    if theirs.dtype != e.call.dtype {
+        return Err(mismatch(format!("rank {peer} sent {described}; dtypes differ")));
     }
     // Same call, different counts (checked after the call itself, so the message says what differs).
-    if h.layout_id != 0 && e.layout_id != 0 && h.layout_id != e.layout_id {
-        return Err(mismatch(format!("rank {peer} sent {theirs} with different counts than this rank passed to {}", e.what)));
+    if theirs.layout_id != 0 && e.call.layout_id != 0 && theirs.layout_id != e.call.layout_id {
+        return Err(mismatch(format!("rank {peer} sent {described} with different counts than this rank passed to {}", e.what)));
     }
     if h.count != e.count || h.nbytes != e.nbytes {
         return Err(mismatch(format!(
@@ -469,109 +382,19 @@ pub(crate) fn describe_header(h: &FrameHeader) -> String {
     format!("{coll} #{} ({dtype}, root {}, schedule {:#x})", h.seq, h.root, h.sched_id)
 }
 
-/// Reads the payload into the landing place. The outer error is the link's (I/O); the inner
+/// Reads the payload into the posted place. The outer error is the link's (I/O); the inner
 /// one this receive's (a mismatch, after which the payload is drained to keep the stream in sync).
 fn land_from_stream(peer: usize, h: &FrameHeader, payload: &mut dyn Read, p: &Posted) -> io::Result<Result<(), PlaitError>> {
     if let Err(e) = check(peer, h, p) {
         io::copy(payload, &mut io::sink())?;
         return Ok(Err(e));
     }
-    match (&p.landing, p.wire) {
-        (Landing::Copy { dst, keep }, Wire::Native) => {
-            let dst = unsafe { super::bytes_mut(*dst, p.len) };
-            // Piece by piece: each piece is kept just before the socket overwrites it.
-            for at in (0..p.len).step_by(LANDING_PIECE) {
-                let end = (at + LANDING_PIECE).min(p.len);
-                before_write(keep, end);
-                payload.read_exact(&mut dst[at..end])?;
-            }
-        }
-        (Landing::Reduce { .. }, Wire::Native) => {
-            REDUCE_TMP.with(|tmp| -> io::Result<()> {
-                let mut tmp = tmp.borrow_mut();
-                tmp.resize(LANDING_PIECE.min(p.len), 0);
-                for at in (0..p.len).step_by(LANDING_PIECE) {
-                    let piece = &mut tmp[..LANDING_PIECE.min(p.len - at)];
-                    payload.read_exact(piece)?;
-                    reduce_landing_at(&p.landing, at, piece);
-                }
-                Ok(())
-            })?
-        }
-        _ => REDUCE_TMP.with(|tmp| -> io::Result<()> {
-            let mut tmp = tmp.borrow_mut();
-            tmp.resize(h.nbytes as usize, 0);
-            payload.read_exact(&mut tmp[..])?;
-            land_bytes(p, &tmp[..]);
-            Ok(())
-        })?,
-    }
+    p.landing.from_stream(p.len, p.wire, h.nbytes as usize, payload)?;
     Ok(Ok(()))
 }
 
 fn land_from_memory(peer: usize, h: &FrameHeader, data: &[u8], p: &Posted) -> Result<(), PlaitError> {
     check(peer, h, p)?;
-    land_bytes(p, data);
+    p.landing.from_memory(p.len, p.wire, data);
     Ok(())
 }
-
-/// Puts a whole (wire-encoded) payload in its landing place: decoded, then copied or reduced.
-fn land_bytes(p: &Posted, wire_bytes: &[u8]) {
-    land_part(&p.landing, p.len, p.wire, wire_bytes);
-}
-
-fn land_part(landing: &Landing, len: usize, wire: Wire, wire_bytes: &[u8]) {
-    match landing {
-        Landing::Bundle(parts) => {
-            let mut at = 0;
-            for part in parts {
-                land_part(&part.landing, part.len, wire, &wire_bytes[at..at + part.wire_len]);
-                at += part.wire_len;
-            }
-        }
-        Landing::Copy { dst, keep } if wire == Wire::Native => {
-            before_write(keep, len);
-            unsafe { super::bytes_mut(*dst, len) }.copy_from_slice(wire_bytes)
-        }
-        Landing::Copy { dst, keep } => {
-            before_write(keep, len);
-            codec::decode(wire, wire_bytes, unsafe { super::bytes_mut(*dst, len) })
-        }
-        Landing::Reduce { .. } if wire == Wire::Native => reduce_landing_at(landing, 0, wire_bytes),
-        Landing::Reduce { dst, with, dtype, op, lock, keep } if *dtype == DType::F32 && op.combiner() == ReduceOp::Sum => {
-            // Decoded and added in one pass, no temporary.
-            let _guard = lock.lock();
-            before_write(keep, len);
-            let d = unsafe { super::bytes_mut(*dst, len) };
-            if std::ptr::eq(*dst as *const u8, *with) {
-                codec::decode_add_into(wire, wire_bytes, d);
-            } else {
-                codec::decode_add_from(wire, wire_bytes, unsafe { super::bytes(*with, len) }, d);
-            }
-        }
-        Landing::Reduce { .. } => DECODE_TMP.with(|t| {
-            let mut t = t.borrow_mut();
-            t.resize(len, 0);
-            codec::decode(wire, wire_bytes, &mut t[..]);
-            reduce_landing_at(landing, 0, &t[..]);
-        }),
-    }
-}
-
-/// Reduces `incoming` into the landing's bytes `at..at + incoming.len()`.
-fn reduce_landing_at(landing: &Landing, at: usize, incoming: &[u8]) {
-    if let Landing::Reduce { dst, with, dtype, op, lock, keep } = landing {
-        let _guard = lock.lock();
-        let len = incoming.len();
-        before_write(keep, at + len);
-        // SAFETY: the posted receive covers `at + len` bytes of dst and with.
-        let d = unsafe { super::bytes_mut(dst.add(at), len) };
-        if std::ptr::eq(*dst as *const u8, *with) {
-            kernels::reduce_into(d, incoming, *dtype, *op);
-        } else {
-            let w = unsafe { super::bytes(with.add(at), len) };
-            kernels::reduce_from(d, w, incoming, *dtype, *op);
-        }
-    }
-}
-

@@ -1,0 +1,349 @@
+//! Building the live mesh of one epoch, step by step: publish this rank's addresses and meet the
+//! others through the store (`rendezvous`), connect to every peer over the route chosen for it
+//! (`connect_mesh`), probe every link (`probe`), size socket buffers to the links
+//! (`size_buffers`), share the link records (`share_links`) and classify the topology. Each step
+//! has one deadline, the configuration's timeout from the start. Elastic mode calls `bootstrap`
+//! again for each new member set.
+
+use super::config::{CommConfig, MAX_STREAMS};
+use super::topology::{self, LinkRecord, RouteFile, Topology};
+use crate::dtype::DType;
+use crate::error::{PlaitError, Result};
+use crate::exec::p2p;
+use crate::net::frame::{PING_TAG, PONG_TAG};
+use crate::net::iface::{list_interfaces, IfaceAddr};
+use crate::net::link::{connect, Hello, Listener};
+use crate::net::peer::PeerLink;
+use crate::net::route::{candidate_routes, prefer_dedicated, IfaceFilter, Route};
+use crate::platform::host::{self, same_host};
+use crate::raw::RawBuf;
+use crate::session::{Demux, Mailbox, Session};
+use crate::store::Store;
+use serde::{Deserialize, Serialize};
+use std::net::TcpStream;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// What each rank publishes through the store.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+struct PeerInfo {
+    rank: usize,
+    port: u16,
+    /// For messages only; empty where the system does not say.
+    host: String,
+    /// `platform::host::host_identity`: one kernel boot and one network stack. A peer with the
+    /// same known identity is reached over loopback; `None` (unknown) is never the same host.
+    machine: Option<String>,
+    addrs: Vec<IfaceAddr>,
+}
+
+/// The mesh of one epoch, ready for operations.
+pub(crate) struct Mesh {
+    pub session: Arc<Session>,
+    /// Kept open for the communicator's life (None for a single rank).
+    pub listener: Option<Listener>,
+    /// This rank's link records, by peer.
+    pub routes: Vec<LinkRecord>,
+    pub topology: Topology,
+}
+
+/// Everything the steps share.
+struct Plan<'a> {
+    cfg: &'a CommConfig,
+    store: &'a dyn Store,
+    /// Store keys of this group and epoch.
+    prefix: String,
+    deadline: Instant,
+    hello: Hello,
+    heartbeat: Duration,
+}
+
+impl Plan<'_> {
+    fn left(&self) -> Duration {
+        self.deadline.saturating_duration_since(Instant::now())
+    }
+}
+
+/// Meets the other ranks of `cfg`'s group and epoch through `store` and builds the mesh.
+pub(crate) fn bootstrap(store: &dyn Store, cfg: &CommConfig) -> Result<Mesh> {
+    let (rank, size) = (cfg.rank, cfg.size);
+    if size == 0 || rank >= size {
+        return Err(PlaitError::invalid(format!("rank {rank} is out of range for world size {size}")));
+    }
+    let filter = cfg.iface.as_deref().map(IfaceFilter::parse).transpose()?;
+    let route_file = cfg.routes_file.as_deref().map(|p| RouteFile::load(p, size)).transpose()?;
+    let plan = Plan {
+        cfg,
+        store,
+        prefix: format!("plait/{}/{}", cfg.group, cfg.epoch),
+        deadline: Instant::now() + cfg.timeout,
+        hello: Hello {
+            group: cfg.group.clone(),
+            epoch: cfg.epoch,
+            from: rank as u32,
+            to: rank as u32,
+            world: size as u32,
+            lane: 0,
+            lanes: cfg.streams.clamp(1, MAX_STREAMS) as u8,
+        },
+        heartbeat: (cfg.timeout / 4).clamp(Duration::from_millis(50), Duration::from_secs(1)),
+    };
+    let listener = if size > 1 { Some(Listener::bind(plan.hello.clone())?) } else { None };
+    let me = PeerInfo {
+        rank,
+        port: listener.as_ref().map(|l| l.port()).unwrap_or(0),
+        host: host::hostname().unwrap_or_default(),
+        machine: host::host_identity(),
+        addrs: list_interfaces(),
+    };
+    store.set(&format!("{}/rank/{rank}", plan.prefix), &serde_json::to_vec(&me).unwrap())?;
+
+    let mailbox = Arc::new(Mailbox::new());
+    let demux = Arc::new(Demux::new(mailbox.clone(), plan.heartbeat));
+    let mut session = Session::new(rank, size, mailbox)?;
+    session.busy_poll = cfg.busy_poll;
+    let mut routes = Vec::new();
+    let connected = rendezvous(&plan, &me).and_then(|infos| {
+        let routing = Routing { me: &me, infos: &infos, filter: filter.as_ref(), file: route_file.as_ref() };
+        connect_mesh(&plan, &routing, listener.as_ref(), &demux, &mut session, &mut routes)
+    });
+    let session = Arc::new(session);
+    demux.attach(&session);
+    let all_links = connected.and_then(|_| {
+        let rtts = probe(&session, plan.deadline)?;
+        size_buffers(&session, &me.addrs, &mut routes, &rtts);
+        share_links(&plan, &mut routes)
+    });
+    let all_links = match all_links {
+        Ok(all) => all,
+        Err(e) => {
+            session.fail(e.clone(), true);
+            session.join_links();
+            if let Some(l) = listener {
+                l.close();
+            }
+            return Err(e);
+        }
+    };
+    let topology = if size == 1 { Topology::Single } else { topology::classify(&all_links) };
+    if rank == 0 {
+        tracing::info!("topology: {}", topology.name());
+        for (r, links) in all_links.iter().enumerate() {
+            for l in links {
+                tracing::info!("route {r} -> {}: {} ({}) -> {}: {}", l.peer, l.local, l.local_iface, l.remote, l.reason);
+            }
+        }
+    }
+    Ok(Mesh { session, listener, routes, topology })
+}
+
+/// Every rank's published record, in rank order.
+fn rendezvous(plan: &Plan, me: &PeerInfo) -> Result<Vec<PeerInfo>> {
+    let mut infos = Vec::with_capacity(plan.cfg.size);
+    for r in 0..plan.cfg.size {
+        if r == me.rank {
+            infos.push(me.clone());
+            continue;
+        }
+        let raw = plan.store.get(&format!("{}/rank/{r}", plan.prefix), plan.left()).map_err(|e| {
+            PlaitError::Rendezvous(format!("rank {r} did not publish its address within {:?}: {e}", plan.cfg.timeout))
+        })?;
+        let info: PeerInfo = serde_json::from_slice(&raw)
+            .map_err(|e| PlaitError::Rendezvous(format!("rank {r} published an unreadable address record: {e}")))?;
+        infos.push(info);
+    }
+    let unknown: Vec<usize> = infos.iter().filter(|i| i.machine.is_none()).map(|i| i.rank).collect();
+    if !unknown.is_empty() {
+        warn_host_identity_unknown(&unknown);
+    }
+    Ok(infos)
+}
+
+/// Says that ranks with an unknown host identity count as other hosts. Once per process: every
+/// communicator of the job would repeat it.
+fn warn_host_identity_unknown(ranks: &[usize]) {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        tracing::warn!(
+            "same-host detection is unavailable on this platform for ranks {ranks:?}: they are treated as \
+             ranks on other hosts (no loopback), so ranks that share a host must reach each other over a network"
+        )
+    });
+}
+
+/// How this rank picks the route to each peer.
+struct Routing<'a> {
+    me: &'a PeerInfo,
+    infos: &'a [PeerInfo],
+    filter: Option<&'a IfaceFilter>,
+    file: Option<&'a RouteFile>,
+}
+
+impl Routing<'_> {
+    fn same_host(&self, peer: usize) -> bool {
+        same_host(self.infos[peer].machine.as_deref(), self.me.machine.as_deref())
+    }
+
+    /// The routes to try for `peer`, best first.
+    fn candidates(&self, peer: usize) -> Result<Vec<Route>> {
+        let info = &self.infos[peer];
+        if let Some(rf) = self.file {
+            return Ok(vec![rf.route(self.me.rank, &self.me.addrs, peer, &info.addrs)?]);
+        }
+        let others: Vec<&[IfaceAddr]> = self.infos.iter().filter(|i| i.rank != peer).map(|i| &i.addrs[..]).collect();
+        Ok(prefer_dedicated(candidate_routes(&self.me.addrs, &info.addrs, self.same_host(peer), self.filter), &others))
+    }
+}
+
+/// Connects to every peer: lower ranks listen, higher ranks connect, so simultaneous connects
+/// cannot deadlock. Each link joins the session as soon as it is up, so a failure later still
+/// shuts it down with the others.
+fn connect_mesh(
+    plan: &Plan,
+    routing: &Routing,
+    listener: Option<&Listener>,
+    demux: &Arc<Demux>,
+    session: &mut Session,
+    routes: &mut Vec<LinkRecord>,
+) -> Result<()> {
+    let (rank, lanes) = (plan.cfg.rank, plan.hello.lanes);
+    let start = |peer: usize, addr: String, streams: Vec<TcpStream>, session: &mut Session| -> Result<()> {
+        session.attach_link(peer, PeerLink::start(peer, addr, streams, demux.clone(), plan.heartbeat)?)?;
+        Ok(())
+    };
+    for peer in 0..rank {
+        let info = &routing.infos[peer];
+        let first = Hello { to: peer as u32, ..plan.hello.clone() };
+        let (stream, route) = connect_first(&routing.candidates(peer)?, info, &first, plan.deadline)?;
+        let mut streams = vec![stream];
+        for lane in 1..lanes {
+            streams.push(connect(&route, info.port, &Hello { lane, ..first.clone() }, plan.deadline)?);
+        }
+        routes.push(LinkRecord {
+            peer,
+            local_iface: route.local.name.clone(),
+            local: route.local.ip.to_string(),
+            remote: route.peer_ip.to_string(),
+            same_host: routing.same_host(peer),
+            rtt_us: None,
+            reason: route.reason.clone(),
+            streams: lanes as usize,
+        });
+        start(peer, format!("{}:{}", route.peer_ip, info.port), streams, session)?;
+    }
+    for (peer, info) in routing.infos.iter().enumerate().skip(rank + 1) {
+        let listener = listener.expect("a rank with peers listens");
+        let stream = listener.accept_from(peer as u32, plan.deadline)?;
+        let remote = stream.peer_addr().map(|a| a.ip().to_canonical().to_string()).unwrap_or_default();
+        let local_ip = stream.local_addr().map(|a| a.ip().to_canonical()).ok();
+        let local_iface = routing.me.addrs.iter().find(|a| Some(a.ip) == local_ip).map(|a| a.name.clone()).unwrap_or_default();
+        routes.push(LinkRecord {
+            peer,
+            local_iface,
+            local: local_ip.map(|i| i.to_string()).unwrap_or_default(),
+            remote: remote.clone(),
+            same_host: routing.same_host(peer),
+            rtt_us: None,
+            reason: format!("rank {peer} ({}) connected from {remote}", info.host),
+            streams: lanes as usize,
+        });
+        let mut streams = vec![stream];
+        for lane in 1..lanes {
+            streams.push(listener.accept_lane(peer as u32, lane, plan.deadline)?);
+        }
+        start(peer, format!("{remote}:{}", info.port), streams, session)?;
+    }
+    Ok(())
+}
+
+/// Tries the candidate routes in order; each but the last gets a bounded share of the time.
+fn connect_first(candidates: &[Route], info: &PeerInfo, hello: &Hello, deadline: Instant) -> Result<(TcpStream, Route)> {
+    if candidates.is_empty() {
+        return Err(PlaitError::Rendezvous(format!(
+            "no usable route to rank {} ({}): none of its addresses {:?} is reachable from this host's interfaces (check PLAIT_IFACE)",
+            info.rank,
+            info.host,
+            info.addrs.iter().map(|a| a.ip.to_string()).collect::<Vec<_>>()
+        )));
+    }
+    let mut errors = Vec::new();
+    for (i, route) in candidates.iter().enumerate() {
+        let last = i + 1 == candidates.len();
+        let d = if last { deadline } else { deadline.min(Instant::now() + Duration::from_secs(5)) };
+        match connect(route, info.port, hello, d) {
+            Ok(s) => {
+                let mut route = route.clone();
+                if !errors.is_empty() {
+                    route.reason = format!("{} (after {} failed)", route.reason, errors.join("; "));
+                }
+                return Ok((s, route));
+            }
+            Err(e) => {
+                tracing::warn!(peer = info.rank, route = %route.peer_ip, "route failed, trying the next: {e}");
+                errors.push(format!("{} -> {}: {e}", route.local.ip, route.peer_ip));
+            }
+        }
+        if Instant::now() >= deadline {
+            break;
+        }
+    }
+    Err(PlaitError::Rendezvous(format!("could not connect to rank {} ({}): {}", info.rank, info.host, errors.join("; "))))
+}
+
+/// The round trip of every link: a ping that the peer's receiver thread answers at once (see
+/// `PING_TAG`). The best of a few.
+fn probe(session: &Session, deadline: Instant) -> Result<Vec<(usize, Duration)>> {
+    const ROUNDS: usize = 3;
+    let left = || deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
+    let mut word = [0u8; 8];
+    let buf = RawBuf::of(&mut word);
+    let mut rtts = Vec::new();
+    for p in (0..session.size).filter(|&p| p != session.rank) {
+        let mut best = Duration::MAX;
+        for _ in 0..ROUNDS {
+            let t0 = Instant::now();
+            p2p::send_p2p(session, p, PING_TAG, DType::U8, buf, left(), "start-up ping".into())?;
+            p2p::recv_p2p(session, Some(p), PONG_TAG, DType::U8, buf, left(), "start-up ping".into())?;
+            best = best.min(t0.elapsed());
+        }
+        rtts.push((p, best));
+    }
+    Ok(rtts)
+}
+
+/// Records each link's round trip and raises its socket buffers to the bandwidth-delay product
+/// where the interface's speed is known. An interface of unknown speed (loopback, virtual, or a
+/// system that does not say) keeps the system's buffer autotuning.
+fn size_buffers(session: &Session, addrs: &[IfaceAddr], routes: &mut [LinkRecord], rtts: &[(usize, Duration)]) {
+    for &(peer, rtt) in rtts {
+        let Some(r) = routes.iter_mut().find(|r| r.peer == peer) else { continue };
+        r.rtt_us = Some(rtt.as_secs_f64() * 1e6);
+        let speed = addrs.iter().find(|a| a.name == r.local_iface).and_then(|a| a.speed_mbps);
+        if let Some(mbps) = speed {
+            let bdp = (mbps as f64 * 1e6 / 8.0 * rtt.as_secs_f64()) as usize;
+            if let Some(size) = session.link(peer).fit_buffers_to_bdp(bdp) {
+                tracing::info!(peer, bdp, size, "socket buffers raised to the link's bandwidth-delay product");
+            }
+        }
+    }
+}
+
+/// Every rank's link records, in rank order: everyone shares its own, so every rank derives the
+/// same topology.
+fn share_links(plan: &Plan, routes: &mut [LinkRecord]) -> Result<Vec<Vec<LinkRecord>>> {
+    let rank = plan.cfg.rank;
+    routes.sort_by_key(|r| r.peer);
+    plan.store.set(&format!("{}/links/{rank}", plan.prefix), &serde_json::to_vec(&routes).unwrap())?;
+    let mut all = Vec::with_capacity(plan.cfg.size);
+    for r in 0..plan.cfg.size {
+        if r == rank {
+            all.push(routes.to_vec());
+            continue;
+        }
+        let raw = plan.store.get(&format!("{}/links/{r}", plan.prefix), plan.left())?;
+        let theirs = serde_json::from_slice(&raw)
+            .map_err(|e| PlaitError::Rendezvous(format!("rank {r} published unreadable link records: {e}")))?;
+        all.push(theirs);
+    }
+    Ok(all)
+}

@@ -1,0 +1,260 @@
+//! The communicator users hold: rank, size, epoch, and the calls they make.
+//!
+//! Static mode: `bootstrap` meets the other ranks through a store and builds the mesh of one
+//! epoch (a session over a full mesh of TCP links). Calls are planned (`exec::spec`) and run by
+//! the operations of `exec` on that session, here on the caller's thread or on a worker. After
+//! any failure the communicator is broken and a new one (a new epoch) must be built.
+
+mod bootstrap;
+pub(crate) mod config;
+mod topology;
+mod work;
+mod workers;
+
+pub use config::{setting, CommConfig, Setting, SETTINGS};
+pub use topology::{LinkRecord, Topology};
+pub use work::Work;
+
+use crate::dtype::{DType, ReduceOp};
+use crate::error::{PlaitError, Result};
+use crate::exec::collective::run_collective;
+use crate::exec::p2p;
+use crate::exec::spec::{check_rank, CollRequest, Plan, Planner};
+use crate::net::frame::{FrameKind, RESERVED_TAGS};
+use crate::net::link::Listener;
+use crate::raw::RawBuf;
+use crate::sched::cost::LinkModel;
+use crate::sched::select::{parse_algo_spec, Selector};
+use crate::sched::Collective;
+use crate::session::Session;
+use crate::store::Store;
+use parking_lot::Mutex;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+use workers::{Job, Workers};
+
+pub struct Communicator {
+    cfg: CommConfig,
+    session: Arc<Session>,
+    selector: Selector,
+    seq: AtomicU64,
+    listener: Mutex<Option<Listener>>,
+    routes: Vec<LinkRecord>,
+    topology: Topology,
+    closed: AtomicBool,
+    workers: Workers,
+}
+
+impl Communicator {
+    /// Meets the other ranks through `store` and connects to every one of them.
+    pub fn new(store: &dyn Store, cfg: CommConfig) -> Result<Arc<Communicator>> {
+        // Settings are checked before anything is published, so a typo fails every rank at once.
+        let overrides = match &cfg.algo {
+            Some(spec) => parse_algo_spec(spec)?,
+            None => Default::default(),
+        };
+        let mesh = bootstrap::bootstrap(store, &cfg)?;
+        let model = LinkModel { shared: mesh.topology != Topology::FullMesh, ..LinkModel::default() };
+        Ok(Arc::new(Communicator {
+            selector: Selector::new(overrides, model, cfg.segment_bytes),
+            cfg,
+            session: mesh.session,
+            seq: AtomicU64::new(1),
+            listener: Mutex::new(mesh.listener),
+            routes: mesh.routes,
+            topology: mesh.topology,
+            closed: AtomicBool::new(false),
+            workers: Workers::new(),
+        }))
+    }
+
+    pub fn rank(&self) -> usize {
+        self.cfg.rank
+    }
+    pub fn size(&self) -> usize {
+        self.cfg.size
+    }
+    pub fn config(&self) -> &CommConfig {
+        &self.cfg
+    }
+    pub fn routes(&self) -> &[LinkRecord] {
+        &self.routes
+    }
+    pub fn topology(&self) -> Topology {
+        self.topology
+    }
+    pub fn listen_port(&self) -> Option<u16> {
+        self.listener.lock().as_ref().map(|l| l.port())
+    }
+
+    fn usable(&self) -> Result<()> {
+        if self.closed.load(Ordering::SeqCst) {
+            return Err(PlaitError::Broken("the communicator was closed".into()));
+        }
+        if let Some(err) = self.session.broken() {
+            return Err(PlaitError::Broken(err.to_string()));
+        }
+        Ok(())
+    }
+
+    fn plan(&self, req: &CollRequest) -> Result<Plan> {
+        self.usable()?;
+        let planner = Planner {
+            rank: self.cfg.rank,
+            size: self.cfg.size,
+            segment_bytes: self.cfg.segment_bytes,
+            timeout: self.cfg.timeout,
+            wire: self.cfg.wire,
+            selector: &self.selector,
+            seq: &self.seq,
+        };
+        planner.plan(req)
+    }
+
+    /// Whether a blocking call of `nbytes` reads the links on the calling thread.
+    fn caller_reads(&self, inline: bool, nbytes: usize) -> bool {
+        inline && nbytes <= self.cfg.caller_read_bytes
+    }
+
+    /// Runs a collective. `inline` runs it on this thread (the caller waits anyway); otherwise
+    /// it runs on a worker and the returned Work completes later.
+    ///
+    /// # Safety
+    /// `req.input` and `req.output` must follow the contract of [`crate::raw`]: valid, and not
+    /// touched by anything else, until the returned Work has completed.
+    pub unsafe fn collective(self: &Arc<Self>, req: CollRequest, inline: bool) -> Result<Work> {
+        let Plan { spec, sched, layout } = self.plan(&req)?;
+        let (input, output) = (req.input, req.output);
+        let me = self.clone();
+        self.submit(inline, self.caller_reads(inline, input.len.max(output.len)), Box::new(move || {
+            run_collective(&me.session, &spec, &sched, &layout, input, output).map(|_| 0)
+        }))
+    }
+
+    fn check_tag(&self, call: &str, tag: u64) -> Result<()> {
+        if tag >= RESERVED_TAGS {
+            return Err(PlaitError::invalid(format!("{call}: tag {tag} is reserved; use tags below 2**63")));
+        }
+        Ok(())
+    }
+
+    /// Sends `data` to `peer` with `tag`. The message is queued now, in call order; only the
+    /// waiting runs later.
+    ///
+    /// # Safety
+    /// `data` must follow the contract of [`crate::raw`] until the returned Work has completed.
+    pub unsafe fn send(self: &Arc<Self>, data: RawBuf, dtype: DType, peer: usize, tag: u64, timeout: Option<Duration>, inline: bool) -> Result<Work> {
+        self.usable()?;
+        check_rank("destination rank", peer, self.cfg.size)?;
+        if peer == self.cfg.rank {
+            return Err(PlaitError::invalid("send: a rank cannot send to itself"));
+        }
+        self.check_tag("send", tag)?;
+        let timeout = timeout.unwrap_or(self.cfg.timeout);
+        let what: Arc<str> = format!("send to rank {peer} (tag {tag}, {} bytes)", data.len).into();
+        let caller_reads = self.caller_reads(inline, data.len);
+        self.session.set_caller_progress(caller_reads);
+        let started = p2p::start_send(&self.session, peer, tag, dtype, data, what)?;
+        let me = self.clone();
+        self.submit(inline, caller_reads, Box::new(move || p2p::finish_p2p(&me.session, started, timeout)))
+    }
+
+    /// Receives into `data` from `src` (any source when None) with `tag`; the Work's value is
+    /// the sender's rank. The receive is posted now, in call order; only the waiting runs later.
+    ///
+    /// # Safety
+    /// `data` must follow the contract of [`crate::raw`] until the returned Work has completed.
+    pub unsafe fn recv(self: &Arc<Self>, data: RawBuf, dtype: DType, src: Option<usize>, tag: u64, timeout: Option<Duration>, inline: bool) -> Result<Work> {
+        self.usable()?;
+        self.check_tag("recv", tag)?;
+        if let Some(s) = src {
+            check_rank("source rank", s, self.cfg.size)?;
+            if s == self.cfg.rank {
+                return Err(PlaitError::invalid("recv: a rank cannot receive from itself"));
+            }
+        }
+        let timeout = timeout.unwrap_or(self.cfg.timeout);
+        let from = src.map(|s| format!("rank {s}")).unwrap_or_else(|| "any rank".into());
+        let what: Arc<str> = format!("recv from {from} (tag {tag}, {} bytes)", data.len).into();
+        let caller_reads = self.caller_reads(inline, data.len);
+        self.session.set_caller_progress(caller_reads);
+        let started = p2p::start_recv(&self.session, src, tag, dtype, data, what)?;
+        let me = self.clone();
+        self.submit(inline, caller_reads, Box::new(move || p2p::finish_p2p(&me.session, started, timeout)))
+    }
+
+    /// Every rank waits until every rank has entered the barrier.
+    pub fn barrier(self: &Arc<Self>, timeout: Option<Duration>, inline: bool) -> Result<Work> {
+        let mut token = Box::new([1u8]);
+        let buf = RawBuf::of(&mut token[..]);
+        let req = CollRequest {
+            coll: Collective::AllReduce,
+            dtype: DType::U8,
+            op: ReduceOp::Max,
+            root: 0,
+            input: buf,
+            output: buf,
+            send_counts: None,
+            recv_counts: None,
+            timeout,
+            algo: None,
+            wire: None,
+        };
+        let Plan { mut spec, sched, layout } = self.plan(&req)?;
+        spec.what = format!("barrier #{}", spec.seq).into();
+        let me = self.clone();
+        self.submit(inline, inline, Box::new(move || {
+            let r = run_collective(&me.session, &spec, &sched, &layout, buf, buf).map(|_| 0);
+            drop(token);
+            r
+        }))
+    }
+
+    /// Runs `run` here (`inline`) or on a worker. `caller_reads`: this thread reads the links
+    /// while it waits (small blocking calls); otherwise the links' receiver threads read.
+    fn submit(&self, inline: bool, caller_reads: bool, run: Job) -> Result<Work> {
+        self.session.set_caller_progress(caller_reads);
+        if inline {
+            let work = Work::new();
+            work.complete(run());
+            return Ok(work);
+        }
+        self.workers.submit(run)
+    }
+
+    /// The algorithm the selector picks for a call of `nbytes` (per rank buffer).
+    pub fn algorithm_for(&self, coll: Collective, nbytes: usize, root: usize) -> Result<String> {
+        let n = self.cfg.size;
+        let block_bytes: Vec<usize> = (0..n).map(|i| (i + 1) * nbytes / n - i * nbytes / n).collect();
+        Ok(self.selector.choose(coll, n, root, &block_bytes, None)?.name.clone())
+    }
+
+    /// Ends every operation in flight (they fail with `Aborted`) and breaks the communicator.
+    /// Safe from any thread.
+    pub fn abort(&self, reason: &str) {
+        self.session.fail(PlaitError::Aborted { op: String::new(), reason: reason.to_string() }, true);
+    }
+
+    /// Says goodbye to the peers, closes every socket and joins every thread. Idempotent.
+    pub fn close(&self) {
+        if self.closed.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        if self.session.broken().is_none() {
+            self.session.broadcast_control(FrameKind::Close, String::new(), Duration::from_secs(1));
+        }
+        self.session.fail(PlaitError::Broken("the communicator was closed".into()), false);
+        self.workers.close();
+        self.session.join_links();
+        if let Some(l) = self.listener.lock().take() {
+            l.close();
+        }
+    }
+}
+
+impl Drop for Communicator {
+    fn drop(&mut self) {
+        self.close();
+    }
+}

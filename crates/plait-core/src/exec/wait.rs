@@ -1,0 +1,54 @@
+//! Waiting for an operation's events: on the links' threads' reports, or reading the links on
+//! this thread (small blocking calls); and what a failure is blamed on while waiting.
+
+use crate::error::PlaitError;
+use crate::session::{Event, Session};
+use crossbeam_channel::{Receiver, RecvTimeoutError};
+use std::time::{Duration, Instant};
+
+/// The next event of an operation, waiting until `until`. While callers read the links (a
+/// small operation run on the waiting thread), this thread reads frames itself meanwhile and
+/// finishes a frame it began by `frame_deadline` (the operation's deadline).
+pub(super) fn next_event(session: &Session, rx: &Receiver<Event>, until: Instant, frame_deadline: Instant) -> std::result::Result<Event, RecvTimeoutError> {
+    loop {
+        if !session.caller_progress() {
+            return rx.recv_deadline(until);
+        }
+        match rx.try_recv() {
+            Ok(ev) => return Ok(ev),
+            Err(crossbeam_channel::TryRecvError::Disconnected) => return Err(RecvTimeoutError::Disconnected),
+            Err(crossbeam_channel::TryRecvError::Empty) => {}
+        }
+        let now = Instant::now();
+        if now >= until {
+            return Err(RecvTimeoutError::Timeout);
+        }
+        // Short waits: a send finished by a link's sender thread reports through `rx`, not a socket.
+        session.progress((until - now).min(Duration::from_millis(2)), frame_deadline);
+    }
+}
+
+/// A transfer that failed because its peer's socket closed says little about why: the peer may
+/// have closed it because a third rank failed. Give the communicator a moment to learn the real
+/// cause (an Abort frame, or the dead rank's own link closing) before blaming that peer.
+pub(super) fn better_explained(session: &Session, err: PlaitError) -> PlaitError {
+    if !matches!(err, PlaitError::Peer { .. }) {
+        return err;
+    }
+    let until = Instant::now() + Duration::from_millis(250);
+    while Instant::now() < until {
+        if let Some(first) = session.broken() {
+            return first;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    err
+}
+
+pub(super) fn with_waited(err: PlaitError, waited: Duration) -> PlaitError {
+    match err {
+        PlaitError::Peer { op, peer, addr, what, .. } => PlaitError::Peer { op, peer, addr, what, waited },
+        other => other,
+    }
+}
+
