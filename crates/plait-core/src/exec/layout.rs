@@ -205,3 +205,68 @@ pub fn counts_for(
         }
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn chunk(buf: Buf, index: u32) -> ChunkRef {
+        ChunkRef { buf, index }
+    }
+
+    #[test]
+    fn uneven_allgather_blocks_sit_back_to_back_and_this_ranks_input_is_one_chunk() {
+        let counts = counts_for(Collective::AllGather, 3, 1, 0, 5, 2 + 5 + 4, None, Some(&[2, 5, 4])).unwrap();
+        let l = Layout::new(Collective::AllGather, 3, 1, 0, 4, counts, 1 << 20);
+        assert_eq!(l.chunk(chunk(Buf::Output, 0)).unwrap(), (0, 2));
+        assert_eq!(l.chunk(chunk(Buf::Output, 1)).unwrap(), (8, 5));
+        assert_eq!(l.chunk(chunk(Buf::Output, 2)).unwrap(), (28, 4));
+        assert_eq!(l.chunk(chunk(Buf::Input, 0)).unwrap(), (0, 5));
+        assert!(l.chunk(chunk(Buf::Input, 1)).is_err(), "an allgather rank has one input chunk");
+        assert!(l.chunk(chunk(Buf::Output, 3)).is_err());
+    }
+
+    #[test]
+    fn scratch_slots_repeat_the_block_layout() {
+        let counts = counts_for(Collective::AllReduce, 2, 0, 0, 7, 7, None, None).unwrap();
+        let l = Layout::new(Collective::AllReduce, 2, 0, 0, 2, counts, 1 << 20);
+        assert_eq!(l.counts.scratch, vec![3, 4]);
+        assert_eq!(l.scratch_slot_bytes, 14);
+        // Scratch chunk 3 is slot 1, block 1.
+        assert_eq!(l.chunk(chunk(Buf::Scratch, 3)).unwrap(), (14 + 6, 4));
+    }
+
+    #[test]
+    fn segments_cover_a_chunk_exactly_within_the_segment_size() {
+        let counts = counts_for(Collective::AllReduce, 1, 0, 0, 0, 0, None, None).unwrap();
+        let l = Layout::new(Collective::AllReduce, 1, 0, 0, 4, counts, 4096);
+        for elems in [0usize, 1, 1023, 1024, 1025, 5000, 1 << 20] {
+            let k = l.nseg(elems);
+            assert!(k >= 1);
+            let mut next = 0;
+            for s in 0..k {
+                let (a, b) = l.seg(elems, s);
+                assert_eq!(a, next, "{elems} elements: segment {s} starts where the last ended");
+                assert!((b - a) * 4 <= 4096, "{elems} elements: segment {s} is too large");
+                next = b;
+            }
+            assert_eq!(next, elems);
+        }
+    }
+
+    #[test]
+    fn counts_that_do_not_fit_the_call_are_refused_with_the_reason() {
+        let err = |r: Result<Counts>| r.unwrap_err().to_string();
+        let e = err(counts_for(Collective::AllReduce, 2, 0, 0, 8, 6, None, None));
+        assert!(e.contains("output holds 6 elements, expected 8"), "{e}");
+        let e = err(counts_for(Collective::AllGather, 3, 0, 0, 1, 4, None, None));
+        assert!(e.contains("does not divide into 3 equal blocks"), "{e}");
+        let e = err(counts_for(Collective::ReduceScatter, 3, 0, 0, 6, 2, None, Some(&[2, 2])));
+        assert!(e.contains("counts has 2 entries, the world has 3 ranks"), "{e}");
+        let e = err(counts_for(Collective::AllToAll, 2, 0, 0, 4, 4, Some(&[1, 2]), None));
+        assert!(e.contains("input holds 4 elements, expected 3"), "{e}");
+        // Ranks other than the root pass only their own part of a gather.
+        let c = counts_for(Collective::Gather, 3, 2, 0, 5, 0, None, None).unwrap();
+        assert_eq!(c.input, vec![0, 0, 5]);
+    }
+}

@@ -188,3 +188,57 @@ impl Landing {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn restore_puts_back_only_what_writers_kept() {
+        let mut region = *b"abcdefgh";
+        let mut copy = [0u8; 8];
+        // SAFETY: both buffers outlive the keep, used on this thread only.
+        let keep = unsafe { Keep::new(region.as_mut_ptr(), copy.as_mut_ptr(), 8) };
+        keep.before_write(3);
+        region[..3].copy_from_slice(b"XYZ");
+        keep.before_write(2); // already kept: no second copy over the written bytes
+        region[5] = b'!'; // written without keeping: not the keep's to restore
+        keep.restore();
+        assert_eq!(&region, b"abcde!gh");
+    }
+
+    #[test]
+    fn a_reducing_landing_adds_and_keeps_the_output() {
+        let mut out = [1.0f32, 2.0, 3.0];
+        let mut copy = [0u8; 12];
+        let dst = out.as_mut_ptr() as *mut u8;
+        // SAFETY: both buffers outlive the keep and the landing, used on this thread only.
+        let keep = Arc::new(unsafe { Keep::new(dst, copy.as_mut_ptr(), 12) });
+        let lock = Arc::new(Mutex::new(()));
+        let landing = Landing::Reduce { dst, with: dst, dtype: DType::F32, op: ReduceOp::Sum, lock, keep: Some(keep.clone()) };
+        let incoming: Vec<u8> = [10.0f32, 20.0, 30.0].iter().flat_map(|v| v.to_le_bytes()).collect();
+        landing.from_stream(12, Wire::Native, 12, &mut &incoming[..]).unwrap();
+        assert_eq!(out, [11.0, 22.0, 33.0]);
+        keep.restore();
+        assert_eq!(out, [1.0, 2.0, 3.0]);
+    }
+
+    #[test]
+    fn a_bundle_splits_its_payload_over_its_parts_in_order() {
+        let (mut a, mut b) = ([0u8; 2], [0u8; 3]);
+        let parts = vec![
+            Part { landing: Landing::Copy { dst: a.as_mut_ptr(), keep: None }, len: 2, wire_len: 2 },
+            Part { landing: Landing::Copy { dst: b.as_mut_ptr(), keep: None }, len: 3, wire_len: 3 },
+        ];
+        Landing::Bundle(parts).from_memory(5, Wire::Native, b"hello");
+        assert_eq!((&a, &b), (b"he", b"llo"));
+    }
+
+    #[test]
+    fn a_stream_ending_early_is_an_error_not_a_short_landing() {
+        let mut dst = [0u8; 8];
+        let landing = Landing::Copy { dst: dst.as_mut_ptr(), keep: None };
+        let err = landing.from_stream(8, Wire::Native, 8, &mut &b"short"[..]).unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::UnexpectedEof);
+    }
+}
