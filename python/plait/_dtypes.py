@@ -1,7 +1,9 @@
-"""numpy dtype <-> core dtype names, and which reduction ops each dtype supports."""
+"""numpy dtype <-> core dtype names; which reduction ops each dtype supports is the core's rule
+(`_core.check_op`), read here, not copied."""
 
 import numpy as np
 
+from . import _core
 from ._core import InvalidArgumentError
 
 try:  # bfloat16 has no numpy builtin; ml_dtypes provides the standard one.
@@ -11,24 +13,24 @@ try:  # bfloat16 has no numpy builtin; ml_dtypes provides the standard one.
 except ImportError:  # pragma: no cover - ml_dtypes is optional
     BFLOAT16 = None
 
-_BY_NUMPY = {
-    np.dtype(np.float16): "f16",
-    np.dtype(np.float32): "f32",
-    np.dtype(np.float64): "f64",
-    np.dtype(np.int8): "i8",
-    np.dtype(np.uint8): "u8",
-    np.dtype(np.int16): "i16",
-    np.dtype(np.int32): "i32",
-    np.dtype(np.int64): "i64",
-    np.dtype(np.bool_): "bool",
+# The numpy type of each core dtype: numpy knowledge, keyed by the core's names (checked below).
+_NUMPY_OF = {
+    "f16": np.float16,
+    "bf16": BFLOAT16,
+    "f32": np.float32,
+    "f64": np.float64,
+    "i8": np.int8,
+    "u8": np.uint8,
+    "i16": np.int16,
+    "i32": np.int32,
+    "i64": np.int64,
+    "bool": np.bool_,
 }
-if BFLOAT16 is not None:
-    _BY_NUMPY[BFLOAT16] = "bf16"
+assert set(_NUMPY_OF) == {d["name"] for d in _core.DTYPES}, "a core dtype has no numpy type here"
+_BY_NUMPY = {np.dtype(t): d["name"] for d in _core.DTYPES if (t := _NUMPY_OF[d["name"]]) is not None}
 
-FLOATS = frozenset({"f16", "bf16", "f32", "f64"})
-OPS = ("sum", "avg", "prod", "min", "max", "band", "bor", "bxor", "premul_sum")
-_BITWISE = frozenset({"band", "bor", "bxor"})
-_FLOAT_ONLY = frozenset({"avg", "premul_sum"})
+FLOATS = frozenset(d["name"] for d in _core.DTYPES if d["float"])
+OPS = tuple(o["name"] for o in _core.OPS)
 
 
 def supported_dtypes():
@@ -49,21 +51,8 @@ def core_dtype(dtype):
 
 
 def check_op(op, dtype_name, factor):
-    """Validates op for a core dtype; returns (op, factor) normalised. Raises InvalidArgumentError."""
+    """Validates op for a core dtype by the core's rules; returns (op, factor) normalised. Raises
+    InvalidArgumentError."""
     if not isinstance(op, str):
         raise InvalidArgumentError(f"op must be a string such as 'sum', got {op!r}")
-    op = op.lower()
-    if op not in OPS:
-        raise InvalidArgumentError(f"unknown op {op!r} (expected one of {', '.join(OPS)})")
-    if op in _BITWISE and dtype_name in FLOATS:
-        raise InvalidArgumentError(f"op {op!r} is bitwise and not defined for floating dtype {dtype_name}")
-    if op in _FLOAT_ONLY and dtype_name not in FLOATS:
-        raise InvalidArgumentError(f"op {op!r} is only defined for floating dtypes, not {dtype_name}")
-    if op == "premul_sum":
-        if factor is None:
-            raise InvalidArgumentError("op 'premul_sum' needs factor=<number>")
-        factor = float(factor)
-    elif factor is not None:
-        raise InvalidArgumentError(f"factor is only used with op 'premul_sum', not {op!r}")
-    return op, factor
-
+    return _core.check_op(op.lower(), dtype_name, factor)

@@ -381,8 +381,8 @@ def _int(v, what, name):
 
 def _tag(tag, what):
     tag = _int(tag, what, "tag")
-    if not 0 <= tag < 2**31:
-        raise InvalidArgumentError(f"{what}: tag must be in [0, 2**31), got {tag}")
+    if not 0 <= tag < _core.RESERVED_TAGS:
+        raise InvalidArgumentError(f"{what}: tag must be in [0, 2**63) (plait keeps the rest), got {tag}")
     return tag
 
 

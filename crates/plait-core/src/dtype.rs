@@ -105,6 +105,9 @@ pub enum ReduceOp {
 }
 
 impl ReduceOp {
+    /// Every operator's name, in code order (`code() - 1`).
+    pub const NAMES: [&'static str; 9] = ["sum", "avg", "prod", "min", "max", "band", "bor", "bxor", "premul_sum"];
+
     pub fn name(self) -> &'static str {
         match self {
             ReduceOp::Sum => "sum",
@@ -136,6 +139,31 @@ impl ReduceOp {
         Some(op)
     }
 
+    /// Parses an operator as users spell it, with premul_sum's factor (which no other op takes);
+    /// the error says what is wrong in words a user can act on.
+    pub fn parse(name: &str, factor: Option<f64>) -> Result<ReduceOp, String> {
+        let op = ReduceOp::from_name(name, Some(factor.unwrap_or(1.0)))
+            .ok_or_else(|| format!("unknown op {name:?} (expected one of {})", ReduceOp::NAMES.join(", ")))?;
+        match (op, factor) {
+            (ReduceOp::PremulSum(_), None) => Err("op 'premul_sum' needs factor=<number>".into()),
+            (ReduceOp::PremulSum(_), Some(_)) | (_, None) => Ok(op),
+            (_, Some(_)) => Err(format!("factor is only used with op 'premul_sum', not '{}'", op.name())),
+        }
+    }
+
+    /// Why this operator cannot reduce `dtype`; None when it can.
+    pub fn refusal(self, dtype: DType) -> Option<String> {
+        match self {
+            ReduceOp::BAnd | ReduceOp::BOr | ReduceOp::BXor if dtype.is_float() => {
+                Some(format!("op '{}' is bitwise and not defined for floating dtype {dtype}", self.name()))
+            }
+            ReduceOp::Avg | ReduceOp::PremulSum(_) if !dtype.is_float() => {
+                Some(format!("op '{}' is only defined for floating dtypes, not {dtype}", self.name()))
+            }
+            _ => None,
+        }
+    }
+
     /// Wire code, so that peers can check they agree on the operator.
     pub fn code(self) -> u8 {
         match self {
@@ -159,13 +187,31 @@ impl ReduceOp {
         }
     }
 
-    /// Whether `op` is defined for `dtype` (bitwise ops only on integers and bool, avg and
-    /// premul_sum only on floats).
+    /// Whether the operator is defined for `dtype` (see `refusal`).
     pub fn supports(self, dtype: DType) -> bool {
-        match self {
-            ReduceOp::BAnd | ReduceOp::BOr | ReduceOp::BXor => !dtype.is_float(),
-            ReduceOp::Avg | ReduceOp::PremulSum(_) => dtype.is_float(),
-            _ => true,
+        self.refusal(dtype).is_none()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn op_names_follow_their_codes_and_parse_back() {
+        for (i, name) in ReduceOp::NAMES.iter().enumerate() {
+            let op = ReduceOp::parse(name, (*name == "premul_sum").then_some(0.5)).unwrap();
+            assert_eq!((op.name(), op.code() as usize), (*name, i + 1));
         }
+    }
+
+    #[test]
+    fn misuse_of_an_op_is_explained() {
+        assert!(ReduceOp::parse("median", None).unwrap_err().starts_with("unknown op \"median\""));
+        assert!(ReduceOp::parse("premul_sum", None).unwrap_err().contains("needs factor"));
+        assert!(ReduceOp::parse("sum", Some(2.0)).unwrap_err().contains("only used with op 'premul_sum'"));
+        assert!(ReduceOp::BXor.refusal(DType::F32).unwrap().contains("bitwise"));
+        assert!(ReduceOp::Avg.refusal(DType::I32).unwrap().contains("floating"));
+        assert!(ReduceOp::Max.supports(DType::Bool) && ReduceOp::BAnd.supports(DType::Bool));
     }
 }

@@ -4,7 +4,7 @@
 use plait_core::{CollRequest, Collective, CommConfig, Communicator, DType, PlaitError, RawBuf, ReduceOp, Store, Wire, Work};
 use pyo3::prelude::*;
 use pyo3::sync::GILOnceCell;
-use pyo3::types::{PyBytes, PyDict, PyType};
+use pyo3::types::{PyBool, PyBytes, PyDict, PyTuple, PyType};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -89,15 +89,57 @@ fn secs(t: Option<f64>) -> PyResult<Option<Duration>> {
     }
 }
 
-fn dtype(name: &str) -> PyResult<DType> {
-    DType::from_name(name).ok_or_else(|| invalid(format!("unknown dtype {name:?}; plait supports f16, bf16, f32, f64, i8, u8, i16, i32, i64, bool")))
+/// A dtype, operator or collective as Python passes it: the core's integer code (as listed in
+/// `DTYPES`, `OPS` and `COLLECTIVES`) or its name.
+#[derive(FromPyObject)]
+enum Named {
+    Code(u8),
+    Name(String),
 }
 
-fn collective(name: &str) -> PyResult<Collective> {
-    Collective::from_name(name).ok_or_else(|| {
-        let all: Vec<_> = Collective::ALL.iter().map(|c| c.name()).collect();
-        invalid(format!("unknown collective {name:?}; one of {}", all.join(", ")))
+fn dtype(arg: Named) -> PyResult<DType> {
+    let found = match &arg {
+        Named::Code(c) => DType::from_u8(*c),
+        Named::Name(n) => DType::from_name(n),
+    };
+    found.ok_or_else(|| {
+        let all: Vec<_> = DType::ALL.iter().map(|d| d.name()).collect();
+        invalid(format!("unknown dtype {}; plait supports {}", arg.describe(), all.join(", ")))
     })
+}
+
+fn collective(arg: Named) -> PyResult<Collective> {
+    let found = match &arg {
+        Named::Code(c) => Collective::from_code(*c),
+        Named::Name(n) => Collective::from_name(n),
+    };
+    found.ok_or_else(|| {
+        let all: Vec<_> = Collective::ALL.iter().map(|c| c.name()).collect();
+        invalid(format!("unknown collective {}; one of {}", arg.describe(), all.join(", ")))
+    })
+}
+
+fn reduce_op(arg: Named, factor: Option<f64>) -> PyResult<ReduceOp> {
+    let name = match &arg {
+        Named::Code(c) => (*c as usize).checked_sub(1).and_then(|i| ReduceOp::NAMES.get(i)).map(|n| n.to_string()),
+        Named::Name(n) => Some(n.clone()),
+    };
+    let name = name.ok_or_else(|| invalid(format!("unknown op {}", arg.describe())))?;
+    ReduceOp::parse(&name, factor).map_err(invalid)
+}
+
+fn wire(name: Option<String>) -> PyResult<Option<Wire>> {
+    name.map(|w| Wire::from_name(&w).ok_or_else(|| invalid(format!("unknown wire dtype {w:?}; one of {}", Wire::ALL.map(|w| w.name()).join(", ")))))
+        .transpose()
+}
+
+impl Named {
+    fn describe(&self) -> String {
+        match self {
+            Named::Code(c) => format!("code {c}"),
+            Named::Name(n) => format!("{n:?}"),
+        }
+    }
 }
 
 fn buf(ptr: usize, nbytes: usize) -> RawBuf {
@@ -190,18 +232,18 @@ impl PyComm {
 
     /// Starts a collective over raw host memory. `inline=True` runs it on this thread (GIL
     /// released) and returns a completed Work; otherwise it runs in the background.
-    #[pyo3(signature = (coll, send_ptr, send_nbytes, recv_ptr, recv_nbytes, dtype, op="sum", *, factor=None, root=0, send_counts=None, recv_counts=None, timeout=None, algo=None, inline=false, wire=None))]
+    #[pyo3(signature = (coll, send_ptr, send_nbytes, recv_ptr, recv_nbytes, dtype, op=None, *, factor=None, root=0, send_counts=None, recv_counts=None, timeout=None, algo=None, inline=false, wire=None))]
     #[allow(clippy::too_many_arguments)]
     fn collective(
         &self,
         py: Python<'_>,
-        coll: &str,
+        coll: Named,
         send_ptr: usize,
         send_nbytes: usize,
         recv_ptr: usize,
         recv_nbytes: usize,
-        dtype: &str,
-        op: &str,
+        dtype: Named,
+        op: Option<Named>,
         factor: Option<f64>,
         root: usize,
         send_counts: Option<Vec<usize>>,
@@ -211,18 +253,10 @@ impl PyComm {
         inline: bool,
         wire: Option<String>,
     ) -> PyResult<PyWork> {
-        let wire = wire
-            .map(|w| Wire::from_name(&w).ok_or_else(|| invalid(format!("unknown wire dtype {w:?}; one of native, bf16, f16, int8"))))
-            .transpose()?;
+        let wire = self::wire(wire)?;
         let coll = collective(coll)?;
         let dt = self::dtype(dtype)?;
-        let rop = ReduceOp::from_name(op, factor).ok_or_else(|| {
-            if op == "premul_sum" {
-                invalid("op premul_sum needs factor=".to_string())
-            } else {
-                invalid(format!("unknown op {op:?}; one of sum, avg, prod, min, max, band, bor, bxor, premul_sum"))
-            }
-        })?;
+        let rop = reduce_op(op.unwrap_or(Named::Code(ReduceOp::Sum.code())), factor)?;
         let req = CollRequest {
             coll,
             dtype: dt,
@@ -245,7 +279,7 @@ impl PyComm {
 
     #[pyo3(signature = (ptr, nbytes, dtype, dst, tag=0, *, timeout=None, inline=false))]
     #[allow(clippy::too_many_arguments)]
-    fn send(&self, py: Python<'_>, ptr: usize, nbytes: usize, dtype: &str, dst: usize, tag: u64, timeout: Option<f64>, inline: bool) -> PyResult<PyWork> {
+    fn send(&self, py: Python<'_>, ptr: usize, nbytes: usize, dtype: Named, dst: usize, tag: u64, timeout: Option<f64>, inline: bool) -> PyResult<PyWork> {
         let (dt, t, comm) = (self::dtype(dtype)?, secs(timeout)?, self.comm.clone());
         let data = buf(ptr, nbytes);
         // SAFETY: as in `collective`: the caller keeps the buffer until the Work completes.
@@ -255,7 +289,7 @@ impl PyComm {
 
     #[pyo3(signature = (ptr, nbytes, dtype, src, tag=0, *, timeout=None, inline=false))]
     #[allow(clippy::too_many_arguments)]
-    fn recv(&self, py: Python<'_>, ptr: usize, nbytes: usize, dtype: &str, src: i64, tag: u64, timeout: Option<f64>, inline: bool) -> PyResult<PyWork> {
+    fn recv(&self, py: Python<'_>, ptr: usize, nbytes: usize, dtype: Named, src: i64, tag: u64, timeout: Option<f64>, inline: bool) -> PyResult<PyWork> {
         let (dt, t, comm) = (self::dtype(dtype)?, secs(timeout)?, self.comm.clone());
         let src = if src < 0 { None } else { Some(src as usize) };
         let data = buf(ptr, nbytes);
@@ -283,7 +317,7 @@ impl PyComm {
     }
 
     #[pyo3(signature = (coll, nbytes, root=0))]
-    fn algorithm_for(&self, coll: &str, nbytes: usize, root: usize) -> PyResult<String> {
+    fn algorithm_for(&self, coll: Named, nbytes: usize, root: usize) -> PyResult<String> {
         self.comm.algorithm_for(collective(coll)?, nbytes, root).map_err(to_py)
     }
 
@@ -320,7 +354,7 @@ impl PyComm {
 
 /// The algorithm names `PLAIT_ALGO` accepts for a collective, the default first.
 #[pyfunction]
-fn algorithms(coll: &str) -> PyResult<Vec<String>> {
+fn algorithms(coll: Named) -> PyResult<Vec<String>> {
     Ok(plait_core::algorithms(collective(coll)?).iter().map(|s| s.to_string()).collect())
 }
 
@@ -346,6 +380,69 @@ fn interfaces(py: Python<'_>) -> PyResult<Vec<Bound<'_, PyDict>>> {
 #[pyfunction]
 fn host_identity() -> Option<String> {
     plait_core::host_identity()
+}
+
+/// Checks an operator for a dtype as the core will: returns the operator's name and factor
+/// normalised, or raises InvalidArgumentError saying what is wrong.
+#[pyfunction]
+#[pyo3(signature = (op, dtype, factor=None))]
+fn check_op(op: Named, dtype: Named, factor: Option<f64>) -> PyResult<(String, Option<f64>)> {
+    let (op, dt) = (reduce_op(op, factor)?, self::dtype(dtype)?);
+    if let Some(why) = op.refusal(dt) {
+        return Err(invalid(why));
+    }
+    Ok((op.name().to_string(), factor))
+}
+
+/// The core's tables, read by the Python layers instead of keeping copies.
+fn add_tables(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    let py = m.py();
+    let tuple_of_dicts = |rows: Vec<Vec<(&str, Bound<'_, PyAny>)>>| -> PyResult<Bound<'_, PyTuple>> {
+        let dicts = rows
+            .into_iter()
+            .map(|row| {
+                let d = PyDict::new(py);
+                for (k, v) in row {
+                    d.set_item(k, v)?;
+                }
+                Ok(d)
+            })
+            .collect::<PyResult<Vec<_>>>()?;
+        PyTuple::new(py, dicts)
+    };
+    let mut rows = Vec::new();
+    for d in DType::ALL {
+        rows.push(vec![
+            ("name", d.name().into_pyobject(py)?.into_any()),
+            ("code", (d as u8).into_pyobject(py)?.into_any()),
+            ("size", d.size().into_pyobject(py)?.into_any()),
+            ("float", PyBool::new(py, d.is_float()).to_owned().into_any()),
+        ]);
+    }
+    m.add("DTYPES", tuple_of_dicts(rows)?)?;
+    let mut rows = Vec::new();
+    for (i, name) in ReduceOp::NAMES.iter().enumerate() {
+        rows.push(vec![("name", name.into_pyobject(py)?.into_any()), ("code", (i + 1).into_pyobject(py)?.into_any())]);
+    }
+    m.add("OPS", tuple_of_dicts(rows)?)?;
+    let mut rows = Vec::new();
+    for c in Collective::ALL {
+        rows.push(vec![("name", c.name().into_pyobject(py)?.into_any()), ("code", c.code().into_pyobject(py)?.into_any())]);
+    }
+    m.add("COLLECTIVES", tuple_of_dicts(rows)?)?;
+    m.add("WIRES", PyTuple::new(py, Wire::ALL.map(|w| w.name()))?)?;
+    let mut rows = Vec::new();
+    for s in plait_core::SETTINGS {
+        rows.push(vec![
+            ("name", s.name.into_pyobject(py)?.into_any()),
+            ("kind", s.kind.into_pyobject(py)?.into_any()),
+            ("default", s.default.into_pyobject(py)?.into_any()),
+            ("doc", s.doc.into_pyobject(py)?.into_any()),
+        ]);
+    }
+    m.add("SETTINGS", tuple_of_dicts(rows)?)?;
+    m.add("RESERVED_TAGS", plait_core::RESERVED_TAGS)?;
+    Ok(())
 }
 
 fn init_logging() {
@@ -381,6 +478,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(algorithms, m)?)?;
     m.add_function(wrap_pyfunction!(interfaces, m)?)?;
     m.add_function(wrap_pyfunction!(host_identity, m)?)?;
+    m.add_function(wrap_pyfunction!(check_op, m)?)?;
+    add_tables(m)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

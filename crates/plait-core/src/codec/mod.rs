@@ -32,6 +32,8 @@ pub enum Wire {
 }
 
 impl Wire {
+    pub const ALL: [Wire; 4] = [Wire::Native, Wire::Bf16, Wire::F16, Wire::Int8];
+
     pub fn from_name(name: &str) -> Option<Wire> {
         Some(match name.to_ascii_lowercase().as_str() {
             "" | "native" | "none" | "f32" | "fp32" | "float32" => Wire::Native,

@@ -122,8 +122,8 @@ impl Planner<'_> {
         if coll.rooted() {
             check_rank("root", req.root, n)?;
         }
-        if coll.reduces() && !req.op.supports(req.dtype) {
-            return Err(PlaitError::invalid(format!("{}: op {} is not defined for dtype {}", coll, req.op.name(), req.dtype)));
+        if let Some(why) = req.op.refusal(req.dtype).filter(|_| coll.reduces()) {
+            return Err(PlaitError::invalid(format!("{coll}: {why}")));
         }
         let es = req.dtype.size();
         for (what, b) in [("input", req.input), ("output", req.output)] {

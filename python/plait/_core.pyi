@@ -1,0 +1,117 @@
+"""Type stub of `plait._core`, the PyO3 bindings over plait-core (crates/plait-py/src/lib.rs).
+
+Buffers cross as (address, byte count): the caller keeps the memory alive and untouched until
+the returned Work has completed. Dtypes, operators and collectives may be given by name or by
+the integer code the core lists in DTYPES, OPS and COLLECTIVES.
+"""
+
+from typing import Any, Optional, Sequence, Tuple, TypedDict, Union
+
+class DTypeInfo(TypedDict):
+    name: str
+    code: int
+    size: int
+    float: bool
+
+class Named(TypedDict):
+    name: str
+    code: int
+
+class SettingInfo(TypedDict):
+    name: str
+    kind: str
+    default: str
+    doc: str
+
+class RouteInfo(TypedDict):
+    peer: int
+    local: str
+    remote: str
+    reason: str
+    local_iface: str
+    same_host: bool
+    rtt_us: Optional[float]
+    streams: int
+
+class InterfaceInfo(TypedDict):
+    name: str
+    ip: str
+    prefix: int
+    mtu: Optional[int]
+    speed_mbps: Optional[int]
+
+NameOrCode = Union[str, int]
+
+DTYPES: Tuple[DTypeInfo, ...]
+OPS: Tuple[Named, ...]
+COLLECTIVES: Tuple[Named, ...]
+WIRES: Tuple[str, ...]
+SETTINGS: Tuple[SettingInfo, ...]
+RESERVED_TAGS: int
+__version__: str
+
+class PlaitError(Exception): ...
+class PeerError(PlaitError): ...
+class PlaitTimeoutError(PlaitError, TimeoutError): ...
+class AbortedError(PlaitError): ...
+class MismatchError(PlaitError): ...
+class BrokenError(PlaitError): ...
+class RendezvousError(PlaitError): ...
+class ConfigError(PlaitError, ValueError): ...
+class InvalidArgumentError(PlaitError, ValueError): ...
+
+class Work:
+    def wait(self, timeout: Optional[float] = None) -> bool: ...
+    def is_completed(self) -> bool: ...
+    def source(self) -> int: ...
+
+class Comm:
+    rank: int
+    size: int
+    epoch: int
+    group: str
+    timeout: float
+    def __init__(
+        self,
+        store: Any,
+        rank: int,
+        size: int,
+        *,
+        timeout: Optional[float] = None,
+        group: str = "default",
+        epoch: int = 0,
+        algo: Optional[str] = None,
+    ) -> None: ...
+    def collective(
+        self,
+        coll: NameOrCode,
+        send_ptr: int,
+        send_nbytes: int,
+        recv_ptr: int,
+        recv_nbytes: int,
+        dtype: NameOrCode,
+        op: Optional[NameOrCode] = None,
+        *,
+        factor: Optional[float] = None,
+        root: int = 0,
+        send_counts: Optional[Sequence[int]] = None,
+        recv_counts: Optional[Sequence[int]] = None,
+        timeout: Optional[float] = None,
+        algo: Optional[str] = None,
+        inline: bool = False,
+        wire: Optional[str] = None,
+    ) -> Work: ...
+    def send(self, ptr: int, nbytes: int, dtype: NameOrCode, dst: int, tag: int = 0, *, timeout: Optional[float] = None, inline: bool = False) -> Work: ...
+    def recv(self, ptr: int, nbytes: int, dtype: NameOrCode, src: int, tag: int = 0, *, timeout: Optional[float] = None, inline: bool = False) -> Work: ...
+    def barrier(self, *, timeout: Optional[float] = None, inline: bool = False) -> Work: ...
+    def abort(self, reason: str = "abort() called") -> None: ...
+    def close(self) -> None: ...
+    def algorithm_for(self, coll: NameOrCode, nbytes: int, root: int = 0) -> str: ...
+    def routes(self) -> list[RouteInfo]: ...
+    def topology(self) -> str: ...
+    def listen_port(self) -> Optional[int]: ...
+
+def algorithms(coll: NameOrCode) -> list[str]: ...
+def interfaces() -> list[InterfaceInfo]: ...
+def host_identity() -> Optional[str]: ...
+def check_op(op: NameOrCode, dtype: NameOrCode, factor: Optional[float] = None) -> Tuple[str, Optional[float]]: ...
