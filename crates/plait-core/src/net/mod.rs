@@ -10,3 +10,4 @@ pub mod peer;
 mod reader;
 pub mod route;
 mod tuning;
+mod wait;

@@ -7,7 +7,7 @@
 
 use super::frame::{FrameHeader, FrameKind, HEADER_LEN};
 use super::reader::ReadSide;
-pub use super::reader::CallerPoll;
+pub use super::wait::CallerPoll;
 use crossbeam_channel::{Receiver, Sender};
 use parking_lot::Mutex;
 use std::io::{self, Read, Write};
