@@ -21,7 +21,7 @@ use crate::exec::collective::run_collective;
 use crate::exec::p2p;
 use crate::exec::spec::{check_rank, CollRequest, Plan, Planner};
 use crate::net::frame::{FrameKind, RESERVED_TAGS};
-use crate::net::link::Listener;
+use crate::net::listener::Listener;
 use crate::raw::RawBuf;
 use crate::sched::cost::LinkModel;
 use crate::sched::select::{parse_algo_spec, Selector};

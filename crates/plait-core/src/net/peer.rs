@@ -7,7 +7,7 @@
 
 use super::frame::{FrameHeader, FrameKind, HEADER_LEN};
 use super::reader::ReadSide;
-pub use super::reader::CallerPoll;
+pub use super::wait::CallerPoll;
 use crossbeam_channel::{Receiver, Sender};
 use parking_lot::Mutex;
 use std::io::{self, Read, Write};
@@ -130,12 +130,12 @@ impl PeerLink {
     }
 
     /// Sizes every lane's socket buffers for a link of `bdp_bytes` in flight (see
-    /// `link::fit_buffers_to_bdp`); returns the size set, if any.
+    /// `tuning::fit_buffers_to_bdp`); returns the size set, if any.
     pub fn fit_buffers_to_bdp(&self, bdp_bytes: usize) -> Option<usize> {
         let per_lane = bdp_bytes.div_ceil(self.lanes.len());
         let mut set = None;
         for lane in &self.lanes {
-            set = super::link::fit_buffers_to_bdp(&lane.stream, per_lane);
+            set = super::tuning::fit_buffers_to_bdp(&lane.stream, per_lane);
         }
         set
     }

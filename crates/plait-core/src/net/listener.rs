@@ -1,78 +1,27 @@
-//! TCP connection setup between two ranks, with a handshake.
-//!
-//! The lower rank listens and the higher rank connects, so two ranks can never both wait for the
-//! other to accept. The handshake carries group, epoch and ranks, so a stray process, a stale
-//! communicator from an earlier epoch, or a misconfigured peer is refused with a reason both
-//! sides can log, instead of being paired with the wrong rank.
-//!
-//! Wire format (little endian):
-//!   hello: b"PLAITHS" | version u8 | epoch u64 | from u32 | to u32 | world u32 | lane u8 | lanes u8
-//!          | group_len u16 | group (UTF-8)
-//!   reply: b"PLAITHR" | version u8 | status u8 (1 accept, 0 refuse) | reason_len u16 | reason (UTF-8)
-//! Lengths are bounded (1 KiB) so garbage cannot make either side allocate much.
-//!
-//! A pair of ranks may open several connections ("lanes", `PLAIT_STREAMS`): each hello names its
-//! lane, and both sides must agree on how many there are.
+//! The listening side of link set-up: an accept thread that handshakes each incoming connection
+//! on a short-lived thread of its own and hands accepted streams out by rank and lane.
 
+use super::handshake::{check_hello, read_hello, write_reply, Hello, HsFail};
+use super::tuning::tune_stream;
 use crate::error::PlaitError;
-use crate::net::route::Route;
-use crate::platform::sockbuf;
 use parking_lot::{Condvar, Mutex};
-use socket2::{Domain, Protocol, SockRef, Socket, TcpKeepalive, Type};
+use socket2::{Domain, Protocol, Socket, Type};
 use std::collections::{HashMap, HashSet};
-use std::io::{self, Read, Write};
+use std::io;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-#[derive(Clone, Debug, PartialEq)]
-pub struct Hello {
-    pub group: String,
-    pub epoch: u64,
-    pub from: u32,
-    pub to: u32,
-    pub world: u32,
-    /// Which of the `lanes` connections between the two ranks this is.
-    pub lane: u8,
-    pub lanes: u8,
-}
-
 /// How long an accepted connection may take to send its hello.
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
 
-const HELLO_MAGIC: &[u8; 7] = b"PLAITHS";
-const REPLY_MAGIC: &[u8; 7] = b"PLAITHR";
-const VERSION: u8 = 2;
-const HELLO_FIXED_LEN: usize = 7 + 1 + 8 + 4 + 4 + 4 + 1 + 1 + 2;
-const REPLY_FIXED_LEN: usize = 7 + 1 + 1 + 2;
-const MAX_GROUP_LEN: usize = 1024;
-const MAX_REASON_LEN: usize = 1024;
 /// Handshakes in progress at once; beyond this, new connections are dropped so a flood cannot
 /// exhaust threads (a real peer retries on reset).
 const MAX_PENDING_HANDSHAKES: usize = 64;
 /// Accept poll period: bounds how long close() waits for the accept thread.
 const ACCEPT_POLL: Duration = Duration::from_millis(20);
-const LINK_BUF: usize = 4 << 20;
-
-impl Hello {
-    fn encode(&self) -> Vec<u8> {
-        let g = self.group.as_bytes();
-        let mut b = Vec::with_capacity(HELLO_FIXED_LEN + g.len());
-        b.extend_from_slice(HELLO_MAGIC);
-        b.push(VERSION);
-        b.extend_from_slice(&self.epoch.to_le_bytes());
-        b.extend_from_slice(&self.from.to_le_bytes());
-        b.extend_from_slice(&self.to.to_le_bytes());
-        b.extend_from_slice(&self.world.to_le_bytes());
-        b.push(self.lane);
-        b.push(self.lanes);
-        b.extend_from_slice(&(g.len() as u16).to_le_bytes());
-        b.extend_from_slice(g);
-        b
-    }
-}
 
 /// Listening socket plus an accept thread that handshakes each incoming connection on its own
 /// short-lived thread, so a silent or garbage-sending connection never delays the others.
@@ -301,13 +250,6 @@ fn start_handshake(s: TcpStream, addr: SocketAddr, shared: &Arc<Shared>) {
     }
 }
 
-enum HsFail {
-    /// Tell the peer why, then close.
-    Refuse(String),
-    /// The connection itself failed (timeout, reset); nobody to tell.
-    Io(String),
-}
-
 fn handshake(mut s: TcpStream, addr: SocketAddr, id: u64, shared: &Shared) {
     let deadline = Instant::now() + shared.handshake_timeout;
     let _ = s.set_write_timeout(Some(shared.handshake_timeout.max(Duration::from_millis(1))));
@@ -387,310 +329,13 @@ fn refuse(mut s: TcpStream, addr: SocketAddr, from: Option<u32>, why: String, sh
     let _ = s.shutdown(Shutdown::Both);
 }
 
-fn check_hello(h: &Hello, e: &Hello) -> Option<String> {
-    let me = e.to;
-    Some(if h.group != e.group {
-        format!("rank {} of group {:?}, but this listener is group {:?}", h.from, h.group, e.group)
-    } else if h.epoch != e.epoch {
-        format!("rank {} is at epoch {}, this listener at epoch {} (stale or newer communicator)", h.from, h.epoch, e.epoch)
-    } else if h.world != e.world {
-        format!("rank {} has world size {}, this listener {}", h.from, h.world, e.world)
-    } else if h.to != me {
-        format!("rank {} addressed rank {}, but this is rank {me}", h.from, h.to)
-    } else if h.from >= e.world {
-        format!("sender rank {} out of range for world size {}", h.from, e.world)
-    } else if h.from <= me {
-        format!("rank {} must listen for rank {me}, not connect to it (the higher rank connects)", h.from)
-    } else if h.lanes != e.lanes {
-        format!(
-            "rank {} opens {} connection(s) per peer, this rank {} (set PLAIT_STREAMS the same on every rank)",
-            h.from, h.lanes, e.lanes
-        )
-    } else if h.lane >= h.lanes {
-        format!("rank {} sent connection index {} of {}", h.from, h.lane, h.lanes)
-    } else {
-        return None;
-    })
-}
-
-fn read_hello(s: &mut TcpStream, deadline: Instant) -> Result<Hello, HsFail> {
-    let io = |e: io::Error| HsFail::Io(describe_read_error(&e));
-    let mut b = [0u8; HELLO_FIXED_LEN];
-    // Check the magic before waiting for the rest, so a non-plait client gets a clear answer.
-    read_exact_by(s, &mut b[..7], deadline).map_err(io)?;
-    if &b[..7] != HELLO_MAGIC {
-        return Err(HsFail::Refuse(format!("not a plait handshake (starts with {:02x?})", &b[..7])));
-    }
-    read_exact_by(s, &mut b[7..], deadline).map_err(io)?;
-    if b[7] != VERSION {
-        return Err(HsFail::Refuse(format!("handshake version {}, this side speaks {VERSION}", b[7])));
-    }
-    let u32_at = |o: usize| u32::from_le_bytes(b[o..o + 4].try_into().unwrap());
-    let epoch = u64::from_le_bytes(b[8..16].try_into().unwrap());
-    let (from, to, world) = (u32_at(16), u32_at(20), u32_at(24));
-    let (lane, lanes) = (b[28], b[29]);
-    let glen = u16::from_le_bytes([b[30], b[31]]) as usize;
-    if glen > MAX_GROUP_LEN {
-        return Err(HsFail::Refuse(format!("group id of {glen} bytes exceeds {MAX_GROUP_LEN}")));
-    }
-    let mut g = vec![0u8; glen];
-    read_exact_by(s, &mut g, deadline).map_err(io)?;
-    let group = String::from_utf8(g).map_err(|_| HsFail::Refuse("group id is not UTF-8".into()))?;
-    Ok(Hello { group, epoch, from, to, world, lane, lanes })
-}
-
-fn describe_read_error(e: &io::Error) -> String {
-    match e.kind() {
-        io::ErrorKind::TimedOut | io::ErrorKind::WouldBlock => "no complete hello within the handshake timeout".into(),
-        io::ErrorKind::UnexpectedEof => "connection closed before a complete hello".into(),
-        _ => e.to_string(),
-    }
-}
-
-fn write_reply(s: &mut TcpStream, accept: bool, reason: &str) -> io::Result<()> {
-    let mut r = reason.as_bytes();
-    if r.len() > MAX_REASON_LEN {
-        let mut n = MAX_REASON_LEN;
-        while !reason.is_char_boundary(n) {
-            n -= 1;
-        }
-        r = &r[..n];
-    }
-    let mut b = Vec::with_capacity(REPLY_FIXED_LEN + r.len());
-    b.extend_from_slice(REPLY_MAGIC);
-    b.push(VERSION);
-    b.push(accept as u8);
-    b.extend_from_slice(&(r.len() as u16).to_le_bytes());
-    b.extend_from_slice(r);
-    s.write_all(&b)
-}
-
-/// read_exact with an overall deadline (a per-read timeout alone would let a peer trickle one
-/// byte at a time forever).
-fn read_exact_by(s: &mut TcpStream, buf: &mut [u8], deadline: Instant) -> io::Result<()> {
-    let mut filled = 0;
-    while filled < buf.len() {
-        let left = deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            return Err(io::ErrorKind::TimedOut.into());
-        }
-        s.set_read_timeout(Some(left.max(Duration::from_millis(1))))?;
-        match s.read(&mut buf[filled..]) {
-            Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
-            Ok(n) => filled += n,
-            Err(e) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut | io::ErrorKind::Interrupted) => {}
-            Err(e) => return Err(e),
-        }
-    }
-    Ok(())
-}
-
-enum Attempt {
-    /// Worth trying again before the deadline (peer not listening yet, connection dropped).
-    Retry(String),
-    Fatal(String),
-}
-
-/// Binds to `route.local.ip` (unless unspecified), connects to `(route.peer_ip, port)` and
-/// handshakes. Connection refused or reset is retried until `deadline`, since the peer may not
-/// be listening yet; a refused handshake or an unreachable network fails at once so the caller
-/// can try its next route.
-pub fn connect(route: &Route, port: u16, hello: &Hello, deadline: Instant) -> Result<TcpStream, PlaitError> {
-    let start = Instant::now();
-    if hello.from <= hello.to || hello.from >= hello.world {
-        return Err(PlaitError::invalid(format!(
-            "rank {} cannot connect to rank {} in a world of {} (the higher rank connects to the lower)",
-            hello.from, hello.to, hello.world
-        )));
-    }
-    if hello.group.len() > MAX_GROUP_LEN {
-        return Err(PlaitError::invalid(format!("group id longer than {MAX_GROUP_LEN} bytes")));
-    }
-    let peer = SocketAddr::new(route.peer_ip, port);
-    let local = route.local.ip;
-    if local.is_ipv4() != peer.is_ipv4() {
-        return Err(PlaitError::invalid(format!(
-            "route to rank {} pairs local {local} with peer {peer} of another address family",
-            hello.to
-        )));
-    }
-    let via = if local.is_unspecified() {
-        "OS route".to_string()
-    } else {
-        format!("{} {local}", route.local.name)
-    };
-    let msg = hello.encode();
-    let mut backoff = Duration::from_millis(10);
-    let mut last = String::from("no attempt made before the deadline");
-    loop {
-        let left = deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            return Err(PlaitError::Timeout {
-                op: "connect".into(),
-                waiting_on: format!("rank {} at {peer} via {via} (last error: {last})", hello.to),
-                waited: start.elapsed(),
-            });
-        }
-        match attempt(local, peer, &msg, deadline) {
-            Ok(s) => return Ok(s),
-            Err(Attempt::Retry(why)) => {
-                last = why;
-                let left = deadline.saturating_duration_since(Instant::now());
-                std::thread::sleep(backoff.min(left));
-                backoff = (backoff * 2).min(Duration::from_millis(200));
-            }
-            Err(Attempt::Fatal(what)) => {
-                return Err(PlaitError::Peer {
-                    op: "connect".into(),
-                    peer: hello.to as usize,
-                    addr: peer.to_string(),
-                    what: format!("{what} (via {via})"),
-                    waited: start.elapsed(),
-                })
-            }
-        }
-    }
-}
-
-fn attempt(local: IpAddr, peer: SocketAddr, hello: &[u8], deadline: Instant) -> Result<TcpStream, Attempt> {
-    let fatal = Attempt::Fatal;
-    let retryable = |e: &io::Error| {
-        matches!(
-            e.kind(),
-            io::ErrorKind::ConnectionRefused
-                | io::ErrorKind::ConnectionReset
-                | io::ErrorKind::ConnectionAborted
-                | io::ErrorKind::UnexpectedEof
-                | io::ErrorKind::BrokenPipe
-                | io::ErrorKind::TimedOut
-                | io::ErrorKind::WouldBlock
-                | io::ErrorKind::Interrupted
-        )
-    };
-    let classify = |e: io::Error, during: &str| {
-        if retryable(&e) {
-            Attempt::Retry(format!("{during}: {e}"))
-        } else {
-            fatal(format!("{during}: {e}"))
-        }
-    };
-    let sock = Socket::new(Domain::for_address(peer), Type::STREAM, Some(Protocol::TCP))
-        .map_err(|e| fatal(format!("cannot create socket: {e}")))?;
-    if !local.is_unspecified() {
-        sock.bind(&SocketAddr::new(local, 0).into())
-            .map_err(|e| fatal(format!("cannot bind to local address {local}: {e}")))?;
-    }
-    let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
-    sock.connect_timeout(&peer.into(), left).map_err(|e| classify(e, "connect"))?;
-    let mut s: TcpStream = sock.into();
-    // With nobody listening, a local connect can land on its own ephemeral port (TCP
-    // simultaneous open) and would then read back its own hello.
-    if s.local_addr().ok() == s.peer_addr().ok() {
-        return Err(Attempt::Retry("connected to itself (nobody listening yet)".into()));
-    }
-    let _ = s.set_nodelay(true);
-    let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
-    s.set_write_timeout(Some(left)).map_err(|e| classify(e, "handshake"))?;
-    s.write_all(hello).map_err(|e| classify(e, "sending hello"))?;
-
-    let mut b = [0u8; REPLY_FIXED_LEN];
-    read_exact_by(&mut s, &mut b, deadline).map_err(|e| classify(e, "awaiting handshake reply"))?;
-    if &b[..7] != REPLY_MAGIC {
-        return Err(fatal(format!(
-            "answered the handshake with something that is not plait ({:02x?}); is another service on port {}?",
-            &b[..7],
-            peer.port()
-        )));
-    }
-    if b[7] != VERSION {
-        return Err(fatal(format!("speaks handshake version {}, this side {VERSION}", b[7])));
-    }
-    let rlen = (u16::from_le_bytes([b[9], b[10]]) as usize).min(MAX_REASON_LEN);
-    if b[8] != 1 {
-        let mut r = vec![0u8; rlen];
-        let _ = read_exact_by(&mut s, &mut r, deadline);
-        return Err(fatal(format!("refused the handshake: {}", String::from_utf8_lossy(&r))));
-    }
-    s.set_read_timeout(None).map_err(|e| classify(e, "handshake"))?;
-    s.set_write_timeout(None).map_err(|e| classify(e, "handshake"))?;
-    if let Err(e) = tune_stream(&s) {
-        tracing::warn!(remote = %peer, "cannot tune link socket: {e}");
-    }
-    Ok(s)
-}
-
-/// Socket options for data links: TCP_NODELAY (schedules send many small messages), keepalive
-/// (a dead host is noticed even if heartbeats stall), and 4 MiB buffers where that helps
-/// (`fixed_buffer`).
-pub fn tune_stream(s: &TcpStream) -> io::Result<()> {
-    s.set_nodelay(true)?;
-    let sock = SockRef::from(s);
-    let ka = TcpKeepalive::new().with_time(Duration::from_secs(30));
-    #[cfg(any(target_os = "linux", target_os = "macos", target_os = "android", target_os = "freebsd"))]
-    let ka = ka.with_interval(Duration::from_secs(5)).with_retries(4);
-    sock.set_keepalive(true)?;
-    let _ = sock.set_tcp_keepalive(&ka);
-    let (auto_max, cap) = (sockbuf::autotuning_max(), sockbuf::system_cap());
-    if let Some(size) = fixed_buffer(LINK_BUF, auto_max.recv, cap.recv) {
-        let _ = sock.set_recv_buffer_size(size);
-    }
-    if let Some(size) = fixed_buffer(LINK_BUF, auto_max.send, cap.send) {
-        let _ = sock.set_send_buffer_size(size);
-    }
-    Ok(())
-}
-
-/// Raises both socket buffers of a data link to twice its bandwidth-delay product where the
-/// system's autotuning could not reach that and its cap allows more (`fixed_buffer`, with the
-/// smaller of the two directions' limits). Returns the buffer size set, if any. A link whose
-/// window is smaller than its bandwidth-delay product cannot be filled by one stream (see also
-/// `PLAIT_STREAMS`).
-pub fn fit_buffers_to_bdp(s: &TcpStream, bdp_bytes: usize) -> Option<usize> {
-    let smaller = |b: sockbuf::BufferSizes| b.recv.zip(b.send).map(|(r, s)| r.min(s));
-    let size = buffer_for_bdp(bdp_bytes, smaller(sockbuf::autotuning_max()), smaller(sockbuf::system_cap()))?;
-    let sock = SockRef::from(s);
-    (sock.set_recv_buffer_size(size).is_ok() && sock.set_send_buffer_size(size).is_ok()).then_some(size)
-}
-
-/// The buffer a link with this bandwidth-delay product needs: twice the product (`fixed_buffer`).
-fn buffer_for_bdp(bdp_bytes: usize, auto_max: Option<usize>, cap: Option<usize>) -> Option<usize> {
-    fixed_buffer(bdp_bytes.saturating_mul(2), auto_max, cap)
-}
-
-/// The fixed size worth giving a socket buffer that should hold `want` bytes, given how far the
-/// system's autotuning grows it (`auto_max`) and the most a program may set (`cap`); `None`:
-/// leave autotuning alone.
-///
-/// One rule on every system: setting SO_RCVBUF/SO_SNDBUF turns autotuning off (Linux, macOS
-/// and Windows alike) and the system silently holds the size to its cap, so a fixed size helps
-/// only when autotuning stops short of `want` and the cap reaches past autotuning; then it is
-/// `want`, within the cap. Where either figure is unknown (`platform::sockbuf`), a guess would
-/// more likely shrink a fast link's window than grow it, so nothing is set.
-fn fixed_buffer(want: usize, auto_max: Option<usize>, cap: Option<usize>) -> Option<usize> {
-    let (auto_max, cap) = (auto_max?, cap?);
-    (want > auto_max && cap > auto_max).then(|| want.min(cap))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::net::iface::IfaceAddr;
-
-    fn lo_route() -> Route {
-        Route {
-            local: IfaceAddr { name: "lo".into(), ip: "127.0.0.1".parse().unwrap(), prefix: 8, mtu: None, speed_mbps: None },
-            peer_ip: "127.0.0.1".parse().unwrap(),
-            reason: "test".into(),
-        }
-    }
-
-    fn hello(group: &str, epoch: u64, from: u32, to: u32, world: u32) -> Hello {
-        Hello { group: group.into(), epoch, from, to, world, lane: 0, lanes: 1 }
-    }
-
-    fn soon(ms: u64) -> Instant {
-        Instant::now() + Duration::from_millis(ms)
-    }
+    use crate::net::connect::connect;
+    use crate::net::handshake::testing::{hello, lo_route, soon};
+    use crate::net::handshake::{HELLO_FIXED_LEN, REPLY_MAGIC};
+    use std::io::{Read, Write};
 
     #[test]
     fn full_mesh_of_four_ranks() {
@@ -886,53 +531,4 @@ mod tests {
         }
     }
 
-    #[test]
-    fn connect_retries_until_the_listener_appears() {
-        // A bound but not listening socket holds the port, so connects are refused and no other
-        // test's socket can take the port in the meantime.
-        let hold = Socket::new(Domain::IPV4, Type::STREAM, None).unwrap();
-        hold.bind(&SocketAddr::from(([0, 0, 0, 0], 0)).into()).unwrap();
-        let port = hold.local_addr().unwrap().as_socket().unwrap().port();
-        let c = std::thread::spawn(move || connect(&lo_route(), port, &hello("g", 1, 1, 0, 2), soon(5000)));
-        std::thread::sleep(Duration::from_millis(300));
-        drop(hold);
-        let l = Listener::bind_with(hello("g", 1, 0, 0, 2), port, HANDSHAKE_TIMEOUT).unwrap();
-        l.accept_from(1, soon(5000)).unwrap();
-        c.join().unwrap().unwrap();
-    }
-
-    #[test]
-    fn buffers_grow_to_the_bandwidth_delay_product_only_past_autotuning() {
-        let mib = 1 << 20;
-        // 10 Gbit/s at 40 ms: 50 MB in flight; autotuning stops at 6 MiB.
-        assert_eq!(buffer_for_bdp(50_000_000, Some(6 * mib), Some(256 * mib)), Some(100_000_000));
-        assert_eq!(buffer_for_bdp(50_000_000, Some(6 * mib), Some(64 * mib)), Some(64 * mib), "held to the cap");
-        assert_eq!(buffer_for_bdp(1_000_000, Some(6 * mib), Some(256 * mib)), None, "autotuning reaches it");
-        assert_eq!(buffer_for_bdp(50_000_000, Some(6 * mib), Some(4 * mib)), None, "the cap would shrink it");
-    }
-
-    #[test]
-    fn a_fixed_buffer_only_where_both_limits_are_known_and_it_helps() {
-        let mib = 1 << 20;
-        // Autotuning stops at 2 MiB, programs may set 16 MiB: 4 MiB helps.
-        assert_eq!(fixed_buffer(LINK_BUF, Some(2 * mib), Some(16 * mib)), Some(LINK_BUF));
-        assert_eq!(fixed_buffer(LINK_BUF, Some(2 * mib), Some(3 * mib)), Some(3 * mib), "within the cap");
-        assert_eq!(fixed_buffer(LINK_BUF, Some(6 * mib), Some(16 * mib)), None, "autotuning goes further");
-        assert_eq!(fixed_buffer(LINK_BUF, Some(2 * mib), Some(208 * 1024)), None, "the cap is below autotuning");
-        // Unknown limits (Windows, or unreadable settings): autotuning is left alone.
-        assert_eq!(fixed_buffer(LINK_BUF, None, Some(16 * mib)), None);
-        assert_eq!(fixed_buffer(LINK_BUF, Some(2 * mib), None), None);
-        assert_eq!(fixed_buffer(LINK_BUF, None, None), None);
-        assert_eq!(buffer_for_bdp(50_000_000, None, None), None);
-    }
-
-    #[test]
-    fn bad_arguments_fail_fast() {
-        assert_eq!(connect(&lo_route(), 1, &hello("g", 1, 0, 1, 2), soon(1000)).unwrap_err().kind(), "invalid");
-        assert_eq!(connect(&lo_route(), 1, &hello("g", 1, 2, 1, 2), soon(1000)).unwrap_err().kind(), "invalid");
-        let mut r = lo_route();
-        r.peer_ip = "::1".parse().unwrap();
-        assert_eq!(connect(&r, 1, &hello("g", 1, 1, 0, 2), soon(1000)).unwrap_err().kind(), "invalid");
-        assert!(Listener::bind(hello("g", 1, 0, 2, 2)).is_err());
-    }
 }
