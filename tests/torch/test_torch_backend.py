@@ -35,6 +35,14 @@ def test_collectives_matrix(world):
     assert checks > 1000 * world
 
 
+def test_point_to_point_order():
+    """Between two ranks, on a default group and on one that never runs inline: 40 isends on one
+    tag (small and large alternating) land in order, received by blocking recv and by irecv;
+    receives posted before their sends; batch_isend_irecv both ways with several messages per
+    peer; any-source receives in send order; a pending receive does not hold up a collective."""
+    assert _no_failures(run_world("p2p", 2, timeout=120)) > 100
+
+
 def test_errors_and_lifecycle():
     """Refused arguments raise ValueError+RuntimeError before anything is sent; a mismatch fails
     every rank fast; a per-op timeout names the peers; a failed op errors its future at the C++
