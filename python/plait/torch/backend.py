@@ -9,7 +9,6 @@ Both take their c10d methods from `methods.Methods`.
 
 import atexit
 import os
-import sys
 import weakref
 
 import torch
@@ -126,22 +125,28 @@ def _next_epoch(store, size):
     return (int(n) - 1) // max(1, size)
 
 
-def _mixed_backend_config():
-    """True when the group being built maps other devices to other backends
-    ("cpu:plait,cuda:nccl"): then plait must be returned as a per-device Backend."""
-    f = sys._getframe(1)
-    for _ in range(6):
-        if f is None:
-            break
-        cfg = f.f_locals.get("backend_config")
-        if cfg is not None and hasattr(cfg, "get_device_backend_map"):
-            try:
-                backends = set(str(b) for b in cfg.get_device_backend_map().values())
-            except Exception:
-                return False
-            return len(backends) > 1
-        f = f.f_back
-    return False
+def _shares_group_with_other_backends(dist_backend_opts):
+    """Whether torch builds this group with other backends for other devices ("cpu:plait,cuda:nccl"),
+    so that plait must be one device's Backend rather than the whole group.
+
+    torch does not pass the device-to-backend map to a creator. torch 2.15 passes the group it is
+    building (`process_group`): backends made before this one are registered on it, and its
+    default backend type is already set from the map; in a group of plait alone that type is the
+    one plait is registered under. What this cannot tell from plait alone gets the whole-group
+    form: a torch that passes no group, and a map that names plait first for the device torch
+    prefers as the default ("cuda:plait,cpu:gloo") or pairs it with another third-party backend."""
+    pg = getattr(dist_backend_opts, "process_group", None)
+    if pg is None:
+        return False
+    try:
+        if pg._device_types:
+            return True
+        default = pg._get_backend_name()
+    except Exception:
+        return False
+    ours = {dist.Backend.backend_type_map.get(name.lower()) for name, plugin in dist.Backend._plugins.items()
+            if plugin.creator_fn is create}
+    return default not in {t.name.lower() for t in ours if t is not None}
 
 
 def create(dist_backend_opts, backend_options=None):
@@ -157,7 +162,7 @@ def create(dist_backend_opts, backend_options=None):
     except PlaitError as e:
         raise torch_error(e) from None
     g = Group(comm, o, gid, ranks, store)
-    per_device = _mixed_backend_config() or os.environ.get("PLAIT_TORCH_CLASS") == "backend"
+    per_device = _shares_group_with_other_backends(dist_backend_opts) or os.environ.get("PLAIT_TORCH_CLASS") == "backend"
     if per_device and PlaitBackend is not None:
         return PlaitBackend(g, gid)
     return PlaitProcessGroup(g, gid)
