@@ -35,6 +35,14 @@ def test_collectives_matrix(world):
     assert checks > 1000 * world
 
 
+def test_point_to_point_order():
+    """Between two ranks, on a default group and on one that never runs inline: 40 isends on one
+    tag (small and large alternating) land in order, received by blocking recv and by irecv;
+    receives posted before their sends; batch_isend_irecv both ways with several messages per
+    peer; any-source receives in send order; a pending receive does not hold up a collective."""
+    assert _no_failures(run_world("p2p", 2, timeout=120)) > 100
+
+
 def test_errors_and_lifecycle():
     """Refused arguments raise ValueError+RuntimeError before anything is sent; a mismatch fails
     every rank fast; a per-op timeout names the peers; a failed op errors its future at the C++
@@ -50,6 +58,28 @@ def test_errors_and_lifecycle():
 def test_mixed_backend_config():
     """backend="cpu:plait,cuda:gloo" (gloo stands in for nccl, which needs GPUs)."""
     _no_failures(run_world("mixed", 3, timeout=120))
+
+
+@pytest.mark.parametrize("config", ["plait", "cpu:plait", "cpu:plait,cuda:gloo", "cuda:gloo,cpu:plait"])
+def test_creator_tells_a_mixed_group_from_plait_alone(config):
+    """plait alone (however named) is the whole ProcessGroup; beside another backend it is the CPU
+    device's Backend of torch's own group (a world of one, in this process)."""
+    import plait.torch  # noqa: F401
+    from plait.torch.backend import PlaitBackend, PlaitProcessGroup
+
+    if not hasattr(dist.distributed_c10d._DistributedBackendOptions(), "process_group"):
+        pytest.skip("this torch does not hand the creator the group it builds")
+    port = __import__("torch_launch").free_port()
+    dist.init_process_group(config, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        pg = dist.group.WORLD
+        assert (type(pg) is PlaitProcessGroup) == ("gloo" not in config), type(pg)
+        assert isinstance(pg._get_backend(torch.device("cpu")), PlaitBackend)
+        t = torch.arange(3.0)
+        dist.all_reduce(t)
+        assert torch.equal(t, torch.arange(3.0))
+    finally:
+        dist.destroy_process_group()
 
 
 def test_register_is_idempotent_and_lists_devices():

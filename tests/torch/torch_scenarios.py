@@ -949,6 +949,146 @@ def scenario_bench_small(args):
     return res
 
 
+def p2p_checks(c, group, label, n_msgs):
+    """Point-to-point ordering between ranks 0 and 1 of `group`: many isends on one tag land in
+    order (small and large alternating, so a small one could overtake a large one), receives
+    posted before their sends, batch_isend_irecv both ways, any-source receives in send order,
+    and a pending receive that does not hold up a collective."""
+    me, peer = RANK, 1 - RANK
+    sizes = [1 if i % 2 else 65_536 for i in range(n_msgs)]
+
+    def many_same_tag():
+        if me == 0:
+            ws = [dist.isend(make(0, sizes[i], torch.float32, salt=i), 1, group=group, tag=3) for i in range(n_msgs)]
+            for w in ws:
+                w.wait()
+        else:
+            bufs = [torch.zeros(sizes[i]) for i in range(n_msgs)]
+            for i in range(n_msgs // 2):
+                dist.recv(bufs[i], 0, group=group, tag=3)
+            ws = [dist.irecv(bufs[i], 0, group=group, tag=3) for i in range(n_msgs // 2, n_msgs)]
+            for w in ws:
+                w.wait()
+            for i in range(n_msgs):
+                c.close(f"isend order {i} {label}", bufs[i], make(0, sizes[i], torch.float32, salt=i))
+
+    def recv_before_send():
+        bufs = [torch.zeros(5) for _ in range(8)]
+        ws = [dist.irecv(b, peer, group=group, tag=4) for b in bufs] if me == 1 else []
+        dist.barrier(group=group)  # the receives are posted well before the sends
+        if me == 0:
+            for i in range(8):
+                dist.send(make(0, 5, torch.float32, salt=i), 1, group=group, tag=4)
+        for w in ws:
+            w.wait()
+        for i, b in enumerate(bufs if me == 1 else []):
+            c.close(f"irecv before isend {i} {label}", b, make(0, 5, torch.float32, salt=i))
+
+    def batch():
+        got = [torch.zeros(9) for _ in range(3)]
+        ops = [dist.P2POp(dist.irecv, g, peer, group, 5) for g in got]
+        ops += [dist.P2POp(dist.isend, make(me, 9, torch.float32, salt=i), peer, group, 5) for i in range(3)]
+        for w in dist.batch_isend_irecv(ops):
+            w.wait()
+        for i, g in enumerate(got):
+            c.close(f"batch_isend_irecv order {i} {label}", g, make(peer, 9, torch.float32, salt=i))
+
+    def any_source():
+        if os.environ.get("PLAIT_TORCH_CLASS") == "backend":
+            return  # torch's C++ Work wrapper has no Python override of sourceRank
+        if me == 1:
+            for i in range(6):
+                dist.send(make(1, 3, torch.float32, salt=i), 0, group=group, tag=6)
+        else:
+            for i in range(6):
+                t = torch.zeros(3)
+                src = dist.recv(t, group=group, tag=6)
+                c.true(f"any source sender {i} {label}", src == 1, str(src))
+                c.close(f"any source order {i} {label}", t, make(1, 3, torch.float32, salt=i))
+
+    def pending_recv_and_collective():
+        t = torch.zeros(4)
+        w = dist.irecv(t, peer, group=group, tag=8)
+        x = torch.ones(2)
+        dist.all_reduce(x, group=group)  # must not wait for the pending receive
+        c.close(f"all_reduce while a receive is pending {label}", x, torch.full((2,), 2.0))
+        dist.send(make(me, 4, torch.float32), peer, group=group, tag=8)
+        w.wait()
+        c.close(f"receive pending across a collective {label}", t, make(peer, 4, torch.float32))
+
+    for name, fn in [("many isends one tag", many_same_tag), ("irecv before isend", recv_before_send),
+                     ("batch_isend_irecv", batch), ("any source", any_source),
+                     ("pending receive and a collective", pending_recv_and_collective)]:
+        c.run(f"{name} {label}", fn)
+
+
+def p2p_latency(group, iters):
+    """p50/p90 (us) of point-to-point round trips between ranks 0 and 1, and the cost per message
+    of a stream of isends on one tag."""
+    me, peer = RANK, 1 - RANK
+    res = {}
+    for nbytes in (4, 65_536, 1 << 20):
+        a, b = torch.ones(nbytes // 4), torch.zeros(nbytes // 4)
+        for style in ("send/recv", "isend/irecv"):
+            ts = []
+            for i in range(iters + 20):
+                dist.barrier(group=group) if i % 50 == 0 else None
+                s = time.perf_counter_ns()
+                if style == "send/recv":
+                    if me == 0:
+                        dist.send(a, peer, group=group)
+                        dist.recv(b, peer, group=group)
+                    else:
+                        dist.recv(b, peer, group=group)
+                        dist.send(a, peer, group=group)
+                else:
+                    r = dist.irecv(b, peer, group=group)
+                    if me == 1:
+                        r.wait()
+                    w = dist.isend(a, peer, group=group)
+                    r.wait()
+                    w.wait()
+                if i >= 20:
+                    ts.append(time.perf_counter_ns() - s)
+            ts.sort()
+            res[f"{style} round trip {nbytes} B"] = (ts[len(ts) // 2] / 1000, ts[int(len(ts) * 0.9)] / 1000)
+    n = iters * 4
+    x = torch.ones(1)
+    per = []
+    for _ in range(5):
+        dist.barrier(group=group)
+        s = time.perf_counter_ns()
+        if me == 0:
+            ws = [dist.isend(x, peer, group=group, tag=9) for _ in range(n)]
+        else:
+            ws = [dist.irecv(torch.empty(1), peer, group=group, tag=9) for _ in range(n)]
+        for w in ws:
+            w.wait()
+        dist.barrier(group=group)
+        per.append((time.perf_counter_ns() - s) / n / 1000)
+    per.sort()
+    res[f"stream of {n} isends, 4 B, one tag (per message)"] = (per[2], per[-1])
+    return res
+
+
+def scenario_p2p(args):
+    """Point-to-point order (checked) and latency (measured) between the two ranks of a world of
+    2, on a default group and on one that never runs inline."""
+    assert WORLD == 2, "scenario p2p runs on 2 ranks"
+    iters = int(args[1]) if len(args) > 1 else 0
+    dist.init_process_group("plait", timeout=datetime.timedelta(seconds=60))
+    c = Checker()
+    world = list(range(WORLD))
+    groups = {"default": None, "never inline": dist.new_group(world, pg_options={"inline": "never"})}
+    timings = {}
+    for label, g in groups.items():
+        p2p_checks(c, g, label, n_msgs=40)
+        if iters:
+            timings[label] = p2p_latency(g, iters)
+    dist.destroy_process_group()
+    return {"failures": c.failures, "checks": c.checks, "timings": timings}
+
+
 def main():
     name, out = sys.argv[1], Path(sys.argv[2])
     args = [str(out)] + sys.argv[3:]

@@ -87,6 +87,12 @@ def nbytes(t):
     return t.numel() * t.element_size()
 
 
+def overlaps(a, b):
+    """Whether host tensors `a` and `b` share any byte of memory."""
+    na, nb = nbytes(a), nbytes(b)
+    return bool(na and nb and a.data_ptr() < b.data_ptr() + nb and b.data_ptr() < a.data_ptr() + na)
+
+
 def elems(t, core_dt):
     """Element count of `t` in units of `core_dt`."""
     if core_dt == "u8" and t.dtype != torch.uint8:
@@ -256,6 +262,47 @@ class Staged:
                 self._add_back(t, part)
             off += n
         return h
+
+    def separate(self, t):
+        """A host buffer of `t`'s shape and dtype, apart from `t`, that the core writes; copied into
+        `t` when the op ends (for a result built while `t` is still being read)."""
+        h = self._tmp(t, tuple(t.shape), t.dtype)
+        self.keep.append(h)
+        self._add_back(t, h)
+        return h
+
+    def converted(self, ts, dtype, *, read, write):
+        """One flat CPU buffer of `dtype` holding `ts` converted to it (when `read`), converted back
+        into `ts` when the op ends (when `write`)."""
+        h = torch.empty(sum(t.numel() for t in ts), dtype=dtype)
+        off = 0
+        for t in ts:
+            part = h[off : off + t.numel()].view(t.shape)
+            if read:
+                with torch.no_grad():
+                    part.copy_(t)
+            if write:
+                self._add_back(t, part)
+            off += t.numel()
+        self.keep.append(h)
+        return h
+
+    def in_place_or_host(self, block, whole, index):
+        """`block` itself when it already is block `index` of the host buffer `whole` (an in-place
+        call), else its host form (read)."""
+        n = nbytes(block)
+        if n and self.direct(block) and block.data_ptr() == whole.data_ptr() + index * n:
+            return block
+        return self.host(block, read=True, write=False)
+
+    def apart_from(self, src, dst):
+        """`src`, or a copy of it when its memory overlaps `dst`'s: the core reads one while it
+        writes the other."""
+        if not overlaps(src, dst):
+            return src
+        c = src.clone()
+        self.keep.append(c)
+        return c
 
     def _add_back(self, dst, src):
         ctx = _stream_ctx(dst)

@@ -59,35 +59,6 @@ def seconds(timeout):
     return timeout if timeout > 0 else None
 
 
-class Done:
-    """A completion that a Python thread signals (point-to-point lanes)."""
-
-    __slots__ = ("_ev", "_err", "_source")
-
-    def __init__(self):
-        self._ev = threading.Event()
-        self._err = None
-        self._source = -1
-
-    def set(self, err=None, source=-1):
-        self._err = err
-        self._source = source
-        self._ev.set()
-
-    def wait(self, timeout=None):
-        if not self._ev.wait(timeout):
-            return False
-        if self._err is not None:
-            raise self._err
-        return True
-
-    def is_completed(self):
-        return self._ev.is_set()
-
-    def source(self):
-        return self._source
-
-
 class _Failure:
     __slots__ = ("error",)
 
@@ -453,4 +424,4 @@ def _now():
     return time.monotonic()
 
 
-__all__ = ["PlaitWork", "Completer", "Done", "Sub", "torch_error", "seconds", "completed_work"]
+__all__ = ["PlaitWork", "Completer", "Sub", "torch_error", "seconds", "completed_work"]
