@@ -158,7 +158,7 @@ impl ReduceOp {
                 Some(format!("op '{}' is bitwise and not defined for floating dtype {dtype}", self.name()))
             }
             ReduceOp::Avg | ReduceOp::PremulSum(_) if !dtype.is_float() => {
-                Some(format!("op '{}' is only defined for floating dtypes, not {dtype}", self.name()))
+                Some(format!("op '{}' is only defined for floating point dtypes, not {dtype}", self.name()))
             }
             _ => None,
         }

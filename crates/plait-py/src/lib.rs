@@ -394,6 +394,42 @@ fn check_op(op: Named, dtype: Named, factor: Option<f64>) -> PyResult<(String, O
     Ok((op.name().to_string(), factor))
 }
 
+/// The value of a setting listed in SETTINGS, None when unset or blank: the one reader of
+/// plait's environment.
+#[pyfunction]
+fn setting(name: &str) -> PyResult<Option<String>> {
+    if !plait_core::SETTINGS.iter().any(|s| s.name == name) {
+        return Err(invalid(format!("{name} is not a plait setting (see plait._core.SETTINGS)")));
+    }
+    Ok(plait_core::setting(name))
+}
+
+/// The core's settings as the core parses them from the environment (raises ConfigError, naming
+/// the setting, when one is malformed): timeout (seconds), algo, wire, segment_bytes, streams,
+/// caller_read_bytes, busy_poll_us.
+#[pyfunction]
+fn env_config(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
+    let c = CommConfig::from_env(0, 1).map_err(to_py)?;
+    let d = PyDict::new(py);
+    d.set_item("timeout", c.timeout.as_secs_f64())?;
+    d.set_item("algo", c.algo)?;
+    d.set_item("wire", c.wire.name())?;
+    d.set_item("segment_bytes", c.segment_bytes)?;
+    d.set_item("streams", c.streams)?;
+    d.set_item("caller_read_bytes", c.caller_read_bytes)?;
+    d.set_item("busy_poll_us", c.busy_poll.as_micros() as u64)?;
+    Ok(d)
+}
+
+/// The canonical name of a wire encoding as the core reads it ("native" for none, "fp16" ->
+/// "f16"...); ConfigError when the core has no such encoding.
+#[pyfunction]
+fn wire_name(name: &str) -> PyResult<&'static str> {
+    Wire::from_name(name).map(|w| w.name()).ok_or_else(|| {
+        to_py(PlaitError::Config(format!("unknown wire dtype {name:?}; one of {}", Wire::ALL.map(|w| w.name()).join(", "))))
+    })
+}
+
 /// The core's tables, read by the Python layers instead of keeping copies.
 fn add_tables(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
@@ -479,6 +515,9 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(interfaces, m)?)?;
     m.add_function(wrap_pyfunction!(host_identity, m)?)?;
     m.add_function(wrap_pyfunction!(check_op, m)?)?;
+    m.add_function(wrap_pyfunction!(setting, m)?)?;
+    m.add_function(wrap_pyfunction!(env_config, m)?)?;
+    m.add_function(wrap_pyfunction!(wire_name, m)?)?;
     add_tables(m)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())

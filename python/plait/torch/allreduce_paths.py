@@ -6,6 +6,7 @@ import math
 import torch
 import torch.distributed as dist
 
+from .. import _core
 from .._core import PlaitError
 from . import staging as stg
 from .arguments import OPS, reduce_op
@@ -16,7 +17,7 @@ from .work import completed_work, seconds, torch_error
 # What the small-allreduce path handles; anything else takes the general path.
 _SMALL_DTYPES = {dt: name for dt, name in stg.CORE_DTYPE.items() if name != "bool"}
 _SMALL_OPS = {op: name for op, name in OPS.items() if name in ("sum", "avg", "min", "max", "prod")}
-_FLOATS = frozenset({"f16", "bf16", "f32", "f64"})
+_FLOATS = frozenset(d["name"] for d in _core.DTYPES if d["float"])
 
 
 def small_allreduce(g, t, opts):

@@ -15,12 +15,12 @@ import weakref
 import torch
 import torch.distributed as dist
 
+from .. import _core
 from .._core import BrokenError, PlaitError
 from . import staging as stg
 from .staging import HostPool, Staged
 from .work import Completer, PlaitWork, seconds, torch_error
 
-_TAG_MASK = (1 << 64) - 1
 _CAST_OPS = ("sum", "avg", "premul_sum", "min", "max")  # reductions that may travel in a narrower float
 _GROUPS = weakref.WeakSet()  # live groups, so that interpreter exit can close them
 
@@ -124,7 +124,7 @@ class Group:
         if op.kind in ("send", "recv"):
             ptr, n = _address(op.send if op.kind == "send" else op.recv)
             call = comm.send if op.kind == "send" else comm.recv
-            w = call(ptr, n, op.dtype, op.args["peer"], int(op.args.get("tag", 0)) & _TAG_MASK, timeout=timeout, inline=inline)
+            w = call(ptr, n, op.dtype, op.args["peer"], _tag(op.args.get("tag", 0)), timeout=timeout, inline=inline)
         elif op.kind == "barrier":
             w = comm.barrier(timeout=timeout, inline=inline)
         else:
@@ -155,6 +155,14 @@ class Group:
             self.completer.stop()
             self.pool.clear()
             _GROUPS.discard(self)
+
+
+def _tag(tag):
+    """A user's tag as the core takes it: the core keeps tags from RESERVED_TAGS up for itself."""
+    tag = int(tag)
+    if not 0 <= tag < _core.RESERVED_TAGS:
+        raise stg.invalid(f"tag {tag} is out of range: tags go from 0 to 2**63 - 1")
+    return tag
 
 
 def issue(g, name, what, opts, outputs, inputs, plan):

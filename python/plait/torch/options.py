@@ -1,17 +1,17 @@
 """Options of a plait process group: `init_process_group(backend="plait", pg_options=PlaitOptions(...))`.
 
 Every field may also come from the environment (read when the group is created); an explicit
-option wins over the environment, which wins over torch's group timeout only for `timeout`.
+option wins over the environment, which wins over torch's group timeout only for `timeout`. The
+environment is read, and the core's own settings parsed, by the core (`_core.setting`,
+`_core.env_config`, `_core.wire_name`): the same spellings work here and in the direct API.
 """
 
 import dataclasses
 import datetime
-import os
 
+from .. import _core
 from .._core import ConfigError
 
-_WIRE = {None: None, "": None, "none": None, "native": None, "bf16": "bf16", "bfloat16": "bf16", "f16": "f16",
-         "fp16": "f16", "float16": "f16", "int8": "int8", "i8": "int8"}
 _INLINE = ("auto", "always", "never")
 
 
@@ -46,7 +46,6 @@ class PlaitOptions:
     def resolved(self, torch_timeout):
         """A copy with every field filled from the environment and defaults; validates."""
         o = dataclasses.replace(self)
-        env = os.environ
         if isinstance(o.timeout, datetime.timedelta):
             o.timeout = o.timeout.total_seconds()
         if o.timeout is None:
@@ -56,36 +55,36 @@ class PlaitOptions:
                 is_default = torch_timeout == default_pg_timeout
             except Exception:  # pragma: no cover
                 is_default = False
-            if (is_default or t is None or t <= 0) and env.get("PLAIT_TIMEOUT", "").strip():
-                t = _float_env("PLAIT_TIMEOUT")
+            if (is_default or t is None or t <= 0) and _core.setting("PLAIT_TIMEOUT"):
+                t = _core.env_config()["timeout"]
             o.timeout = t
         if o.timeout is not None:
             o.timeout = float(o.timeout)
             if not o.timeout > 0:
                 raise ConfigError(f"plait: timeout must be a positive number of seconds, got {o.timeout}")
         if o.algo is None:
-            o.algo = env.get("PLAIT_ALGO") or None
+            o.algo = _core.setting("PLAIT_ALGO")
         if o.wire_dtype is None:
-            o.wire_dtype = env.get("PLAIT_WIRE_DTYPE") or None
-        key = o.wire_dtype.lower() if isinstance(o.wire_dtype, str) else o.wire_dtype
-        if key not in _WIRE:
-            raise ConfigError(f"plait: wire_dtype must be 'bf16', 'f16', 'int8', 'native' or None, got {o.wire_dtype!r}")
-        o.wire_dtype = _WIRE[key]
+            o.wire_dtype = _core.setting("PLAIT_WIRE_DTYPE")
+        if o.wire_dtype is not None and not isinstance(o.wire_dtype, str):
+            raise ConfigError(f"plait: wire_dtype must be a name such as 'bf16', got {o.wire_dtype!r}")
+        wire = _core.wire_name(o.wire_dtype or "native")
+        o.wire_dtype = None if wire == "native" else wire
         if o.inline is None:
-            o.inline = env.get("PLAIT_TORCH_INLINE") or "auto"
+            o.inline = _core.setting("PLAIT_TORCH_INLINE") or "auto"
         if o.inline not in _INLINE:
             raise ConfigError(f"plait: inline must be one of {', '.join(_INLINE)}, got {o.inline!r}")
         if o.inline_bytes is None:
             o.inline_bytes = int(_float_env("PLAIT_TORCH_INLINE_BYTES", 1 << 20))
         if o.force_staging is None:
-            o.force_staging = env.get("PLAIT_TORCH_STAGING", "").strip().lower() in ("1", "true", "yes", "on")
+            o.force_staging = (_core.setting("PLAIT_TORCH_STAGING") or "").strip().lower() in ("1", "true", "yes", "on")
         if o.staging_cache_bytes is None:
             o.staging_cache_bytes = int(_float_env("PLAIT_TORCH_STAGING_CACHE", 256 << 20))
         return o
 
 
 def _float_env(name, default=None):
-    v = os.environ.get(name, "").strip()
+    v = (_core.setting(name) or "").strip()
     if not v:
         return default
     try:

@@ -17,8 +17,10 @@ import threading
 
 import torch
 
+from .. import _core
 from .._core import InvalidArgumentError
 
+# torch's type of each core dtype: torch knowledge, keyed by the core's names (checked below).
 CORE_DTYPE = {
     torch.float16: "f16",
     torch.bfloat16: "bf16",
@@ -31,6 +33,7 @@ CORE_DTYPE = {
     torch.int64: "i64",
     torch.bool: "bool",
 }
+assert set(CORE_DTYPE.values()) == {d["name"] for d in _core.DTYPES}, "a core dtype has no torch type here"
 WIRE_DTYPE = {"bf16": torch.bfloat16, "f16": torch.float16}
 _COMPLEX_OK = frozenset({"sum", "avg", "premul_sum"})
 
@@ -67,10 +70,11 @@ def reduce_dtype(t, opname, what):
     if dt is None:
         supported = ", ".join(str(d).replace("torch.", "") for d in CORE_DTYPE)
         raise invalid(f"{what}: dtype {t.dtype} cannot be reduced (plait reduces {supported} and complex)")
-    if opname in ("band", "bor", "bxor") and dt in ("f16", "bf16", "f32", "f64"):
-        raise invalid(f"{what}: bitwise op {opname} is not defined for {t.dtype}")
-    if opname in ("avg", "premul_sum") and dt not in ("f16", "bf16", "f32", "f64"):
-        raise invalid(f"{what}: op {opname} needs a floating point tensor, got {t.dtype}")
+    if opname is not None:
+        try:  # the core's rule, asked rather than copied
+            _core.check_op(opname, dt, 1.0 if opname == "premul_sum" else None)
+        except InvalidArgumentError as e:
+            raise invalid(f"{what}: {e} (a {t.dtype} tensor)") from None
     return dt
 
 

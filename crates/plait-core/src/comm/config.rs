@@ -92,6 +92,31 @@ pub const SETTINGS: &[Setting] = &[
         default: "error",
         doc: "Log level of the core, to stderr: error, warn, info, debug or trace.",
     },
+    // Read by the torch backend (python/plait/torch/options.py), through `setting`.
+    Setting {
+        name: "PLAIT_TORCH_INLINE",
+        kind: "choice",
+        default: "auto",
+        doc: "torch: blocking calls run on the caller's thread: auto (small ones, when nothing else is in flight), always or never.",
+    },
+    Setting {
+        name: "PLAIT_TORCH_INLINE_BYTES",
+        kind: "bytes",
+        default: "1048576",
+        doc: "torch: the largest blocking call that runs on the caller's thread under `auto`.",
+    },
+    Setting {
+        name: "PLAIT_TORCH_STAGING",
+        kind: "choice",
+        default: "0",
+        doc: "torch: 1 copies CPU tensors through host staging buffers as device tensors are (tests that path).",
+    },
+    Setting {
+        name: "PLAIT_TORCH_STAGING_CACHE",
+        kind: "bytes",
+        default: "268435456",
+        doc: "torch: host staging memory kept for reuse per group.",
+    },
 ];
 
 #[derive(Clone, Debug)]
