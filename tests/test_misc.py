@@ -47,7 +47,7 @@ def test_init_from_env():
 
 def test_demo(tmp_path):
     path = tmp_path / "demo.json"
-    ((out, code),) = _run_all([[sys.executable, "-m", "plait.cli", "demo", "--quick", "--json", str(path)]],
+    ((out, code),) = _run_all([[sys.executable, "-m", "plait.tools.cli", "demo", "--quick", "--json", str(path)]],
                               [dict(os.environ, COLUMNS="120")], timeout=150)
     assert code == 0, out[-5000:]
     for text in ("Every collective once", "allreduce sweep", "raw single TCP stream", "all checks passed"):
@@ -60,8 +60,9 @@ def test_demo(tmp_path):
 
 
 def test_cli():
-    out = subprocess.run([sys.executable, "-m", "plait.cli", "--version"], capture_output=True, text=True, timeout=60)
+    out = subprocess.run([sys.executable, "-m", "plait.tools.cli", "--version"], capture_output=True, text=True,
+                         timeout=60)
     assert out.returncode == 0 and out.stdout.startswith("plait ")
-    out = subprocess.run([sys.executable, "-m", "plait.cli", "demo", "--nproc", "1"], capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "plait.tools.cli", "demo", "--nproc", "1"], capture_output=True,
                          text=True, timeout=60)
     assert out.returncode == 2 and "at least 2" in out.stderr
