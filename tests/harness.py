@@ -112,6 +112,7 @@ class WorldResult:
         self.elapsed = elapsed
         self.returncodes = [p.returncode for p in world.procs]
         self.events = [_read_events(world.events_path(r)) for r in range(world.n)]
+        self._cases = None
 
     def of(self, rank, ev):
         return [e for e in self.events[rank] if e.get("ev") == ev]
@@ -127,22 +128,39 @@ class WorldResult:
             return ""
         return "\n".join(text[-lines:])
 
-    def problems(self, ranks=None, expect_fail=False):
-        """Human-readable list of everything that went wrong on the given ranks."""
+    def case_results(self):
+        """{case: {rank: None (passed) or the failure message}} over every rank's reports."""
+        if self._cases is None:
+            self._cases = {}
+            for r in range(self.n):
+                for e in self.events[r]:
+                    if e.get("ev") in ("pass", "fail"):
+                        self._cases.setdefault(e["case"], {})[r] = e.get("msg")
+        return self._cases
+
+    def problems(self, ranks=None, expect_fail=False, cases=None):
+        """Human-readable list of everything that went wrong on the given ranks. With `cases` (the
+        planned case names, each checked by its own test): only what lies outside them, i.e. a
+        failure outside any case (an aborted section, a rank's crash) or a case not in the plan."""
         out = []
+        planned = None if cases is None else set(cases)
         if self.timed_out:
             out.append(f"world did not finish in time (killed); logs in {self.dir}")
         for r in range(self.n) if ranks is None else ranks:
             if not expect_fail:
                 for e in self.of(r, "fail"):
-                    out.append(f"rank {r}: {e['case']}: {e['msg']}")
+                    if planned is None or e["case"] not in planned:
+                        out.append(f"rank {r}: {e['case']}: {e['msg']}")
+            if planned is not None:
+                out += [f"rank {r}: {e['case']}: reported but not in the plan" for e in self.of(r, "pass")
+                        if e["case"] not in planned]
             if self.done(r) is None or self.returncodes[r] != 0:
                 out.append(f"rank {r}: exit code {self.returncodes[r]}, done={self.done(r) is not None}; "
                            f"log tail:\n{self.log_tail(r)}")
         return out
 
-    def assert_ok(self, ranks=None, limit=40):
-        problems = self.problems(ranks)
+    def assert_ok(self, ranks=None, limit=40, cases=None):
+        problems = self.problems(ranks, cases=cases)
         if problems:
             shown = "\n".join(problems[:limit])
             more = f"\n... and {len(problems) - limit} more" if len(problems) > limit else ""
@@ -208,3 +226,58 @@ def assert_same_digests(res):
     digests = [(res.done(r) or {}).get("digests", {}) for r in range(res.n)]
     differ = [k for k in digests[0] if any(d.get(k) != digests[0][k] for d in digests[1:])]
     assert not differ, f"results differ between ranks for: {differ[:10]}"
+
+
+def assert_cases(res, names, planned, limit=20):
+    """Every case in `names` passed on every rank. Each failure is named with its rank's message; a
+    case a rank never reported fails too, shown with the rank's failures outside the `planned`
+    cases (an aborted section, the worker) and its exit."""
+    results = res.case_results()
+    bad, silent = [], {}
+    for name in names:
+        got = results.get(name, {})
+        failed = {}  # message -> ranks: an identical failure on every rank is told once
+        for r in range(res.n):
+            if r not in got:
+                silent.setdefault(r, []).append(name)
+            elif got[r] is not None:
+                failed.setdefault(got[r], []).append(r)
+        bad += [f"{name}: {_ranks(ranks)}: {msg}" for msg, ranks in failed.items()]
+    told = {}  # ranks that missed the same cases for the same reasons are told once
+    for r, missing in silent.items():
+        why = [f"{e['case']}: {e['msg']}" for e in res.of(r, "fail") if e["case"] not in planned]
+        if res.timed_out:
+            why.append("the world timed out")
+        if res.done(r) is None or res.returncodes[r] != 0:
+            why.append(f"exit code {res.returncodes[r]}, done={res.done(r) is not None}; log tail:\n{res.log_tail(r)}")
+        told.setdefault((tuple(missing), tuple(why[:3])), []).append(r)
+    for (missing, why), ranks in told.items():
+        bad.append(f"{_ranks(ranks)} never reported "
+                   f"{len(missing)} case(s), first {missing[0]!r}" + "".join(f"\n    {w}" for w in why))
+    if bad:
+        more = f"\n... and {len(bad) - limit} more" if len(bad) > limit else ""
+        raise AssertionError(f"{len(bad)} problem(s) in the {res.n}-rank world:\n" + "\n".join(bad[:limit]) + more)
+
+
+def _ranks(ranks):
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+
+
+class Worlds:
+    """Runs each world once, however many tests read it: `get(key)` runs `start(key)` the first
+    time and afterwards returns its result, or raises its error again (a world that cannot start
+    must not be retried by each of its cases)."""
+
+    def __init__(self, start):
+        self.start, self.done = start, {}
+
+    def get(self, key):
+        if key not in self.done:
+            try:
+                self.done[key] = (self.start(key), None)
+            except Exception as e:
+                self.done[key] = (None, e)
+        res, err = self.done[key]
+        if err is not None:  # a new error each time: re-raising one object would grow its traceback
+            raise RuntimeError(f"world {key!r} did not run: {type(err).__name__}: {err}") from err
+        return res

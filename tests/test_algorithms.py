@@ -1,16 +1,38 @@
-"""Each selectable algorithm forced through PLAIT_ALGO, in worlds of several sizes."""
+"""Each selectable algorithm forced through PLAIT_ALGO, in worlds of several sizes.
+
+Each world runs once; test_forced_algorithms[n] checks the world as a whole, test_case[nN-GROUP]
+one group of its cases (plan.py: an algorithm x collective x dtype x op), reported by name."""
 
 import pytest
 
+import cases_algorithms as ca
 import harness
+import plan
+
+SEGMENTS = {2: 4096, 3: 4096, 4: None, 5: 4096, 6: 4096, 7: None, 8: 65536}
+PLANS = {n: plan.groups(ca.plan(n)) for n in SEGMENTS}
+PLANNED = {n: {name for names in groups.values() for name in names} for n, groups in PLANS.items()}
 
 
-@pytest.mark.parametrize("n,segment", [(2, 4096), (3, 4096), (4, None), (5, 4096), (6, 4096), (7, None), (8, 65536)])
+def _start(n):
+    env = {"PLAIT_SEGMENT_BYTES": str(SEGMENTS[n])} if SEGMENTS[n] else {}
+    return harness.run_world("cases_algorithms", n, env=env, timeout=400)
+
+
+worlds = harness.Worlds(_start)
+
+
+@pytest.mark.parametrize("n,segment", list(SEGMENTS.items()))
 def test_forced_algorithms(n, segment):
-    env = {"PLAIT_SEGMENT_BYTES": str(segment)} if segment else {}
-    res = harness.run_world("cases_algorithms", n, env=env, timeout=400)
+    res = worlds.get(n)
     names = res.of(0, "algorithms")
     cases = sum((res.done(r) or {}).get("cases", 0) for r in range(n))
     harness.note(f"forced algorithms n={n} segment={segment or 'default'}: {cases} rank-cases in {res.elapsed:.1f} s"
                  + (f"; {names[0]['names']}" if names and n == 2 else ""))
-    res.assert_ok()
+    res.assert_ok(cases=PLANNED[n])
+
+
+@pytest.mark.parametrize("n,group", [(n, g) for n in PLANS for g in PLANS[n]],
+                         ids=[f"n{n}-{g}" for n in PLANS for g in PLANS[n]])
+def test_case(n, group):
+    harness.assert_cases(worlds.get(n), PLANS[n][group], PLANNED[n])

@@ -12,7 +12,7 @@ pytest.importorskip("torch")
 
 def test_bench_sweeps_both_backends_and_checks_results(tmp_path):
     out = tmp_path / "bench.json"
-    cmd = [sys.executable, "-m", "plait.cli", "bench", "--backend", "plait,gloo", "-b", "8", "-e", "64K",
+    cmd = [sys.executable, "-m", "plait.tools.cli", "bench", "--backend", "plait,gloo", "-b", "8", "-e", "64K",
            "-f", "64", "-n", "3", "-w", "1", "--nproc", "2", "--json", str(out), "--timeout", "120"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -29,6 +29,6 @@ def test_bench_sweeps_both_backends_and_checks_results(tmp_path):
 
 
 def test_bench_rejects_a_bad_size():
-    proc = subprocess.run([sys.executable, "-m", "plait.cli", "bench", "-b", "lots"], capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "plait.tools.cli", "bench", "-b", "lots"], capture_output=True,
                           text=True, timeout=60)
     assert proc.returncode == 2 and "not a size" in proc.stderr

@@ -1,4 +1,4 @@
-"""`plait demo`, init_from_env with torch's TCPStore, and the command line."""
+"""`plait demo`, init_from_env with torch's TCPStore, the command line, and what `import plait` loads."""
 
 import json
 import os
@@ -47,7 +47,7 @@ def test_init_from_env():
 
 def test_demo(tmp_path):
     path = tmp_path / "demo.json"
-    ((out, code),) = _run_all([[sys.executable, "-m", "plait.cli", "demo", "--quick", "--json", str(path)]],
+    ((out, code),) = _run_all([[sys.executable, "-m", "plait.tools.cli", "demo", "--quick", "--json", str(path)]],
                               [dict(os.environ, COLUMNS="120")], timeout=150)
     assert code == 0, out[-5000:]
     for text in ("Every collective once", "allreduce sweep", "raw single TCP stream", "all checks passed"):
@@ -60,8 +60,32 @@ def test_demo(tmp_path):
 
 
 def test_cli():
-    out = subprocess.run([sys.executable, "-m", "plait.cli", "--version"], capture_output=True, text=True, timeout=60)
+    out = subprocess.run([sys.executable, "-m", "plait.tools.cli", "--version"], capture_output=True, text=True,
+                         timeout=60)
     assert out.returncode == 0 and out.stdout.startswith("plait ")
-    out = subprocess.run([sys.executable, "-m", "plait.cli", "demo", "--nproc", "1"], capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "plait.tools.cli", "demo", "--nproc", "1"], capture_output=True,
                          text=True, timeout=60)
     assert out.returncode == 2 and "at least 2" in out.stderr
+
+
+def test_console_script_names_the_cli():
+    """pyproject's `plait` script must point at the command line wherever it lives."""
+    import importlib
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parent.parent / "pyproject.toml").read_text()
+    target = re.search(r'^\[project\.scripts\]\s*\nplait = "([\w.]+):(\w+)"', text, re.M)
+    assert target, "no `plait = \"module:function\"` under [project.scripts]"
+    assert callable(getattr(importlib.import_module(target[1]), target[2]))
+
+
+def test_import_plait_loads_only_the_library():
+    """The tools (plait.tools), rich and torch stay out of `import plait`: a training job or a
+    numpy user pays only for the library."""
+    code = "import json, sys, plait; print(json.dumps(sorted(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-3000:]
+    mods = json.loads(out.stdout)
+    heavy = [m for m in mods if m.split(".")[0] in ("torch", "rich") or m.startswith("plait.tools")]
+    assert not heavy, heavy

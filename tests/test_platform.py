@@ -19,7 +19,8 @@ import types
 
 import pytest
 
-from plait import _local, _thunderbolt, doctor
+from plait import _store
+from plait.tools import _local, _thunderbolt, doctor
 
 # -- captured-format samples ------------------------------------------------------------------------------
 HARDWARE_PORTS = """
@@ -451,19 +452,19 @@ def test_tcp_store_without_libuv_on_windows(monkeypatch):
     made = []
     monkeypatch.setattr(dist, "TCPStore", lambda *a, **kw: made.append((a, kw)) or "store")
     monkeypatch.setattr(sys, "platform", "win32")
-    assert _local.tcp_store("127.0.0.1", 0, None, True, wait_for_workers=False) == "store"
+    assert _store.tcp_store("127.0.0.1", 0, None, True, wait_for_workers=False) == "store"
     assert made[-1] == (("127.0.0.1", 0, None, True), {"wait_for_workers": False, "use_libuv": False})
     monkeypatch.setattr(sys, "platform", "darwin")
-    _local.tcp_store("127.0.0.1", 5, 2, False)
+    _store.tcp_store("127.0.0.1", 5, 2, False)
     assert made[-1] == (("127.0.0.1", 5, 2, False), {})
     monkeypatch.setattr(sys, "platform", "linux")
-    _local.tcp_store("h", 1, is_master=True)
+    _store.tcp_store("h", 1, is_master=True)
     assert "use_libuv" not in made[-1][1]
 
 
 def test_no_direct_tcpstore_or_killpg_outside_the_helpers():
-    """Every store plait makes goes through _local.tcp_store; every local-rank kill through
-    _local.kill_group / stop_all (the testbed, Linux-only, may use process groups directly)."""
+    """Every store plait makes goes through _store.tcp_store; every local-rank kill through
+    tools/_local.kill_group / stop_all (the testbed, Linux-only, may use process groups directly)."""
     import pathlib
 
     import plait
@@ -472,15 +473,17 @@ def test_no_direct_tcpstore_or_killpg_outside_the_helpers():
     for path in root.rglob("*.py"):
         text = path.read_text()
         rel = path.relative_to(root).as_posix()
-        if rel == "_local.py":
+        if rel == "_store.py":
             continue
         assert "TCPStore(" not in text, rel
-        if not rel.startswith("testbed/") or rel == "testbed/run.py":
+        if rel == "tools/_local.py":
+            continue
+        if not rel.startswith("tools/testbed/") or rel == "tools/testbed/run.py":
             assert "killpg" not in text and "start_new_session=True" not in text, rel
 
 
 def test_testbed_says_it_is_linux_only(monkeypatch):
-    from plait import testbed
+    from plait.tools import testbed
 
     monkeypatch.setattr(sys, "platform", "darwin")
     why = testbed.check_can_build()
@@ -490,7 +493,7 @@ def test_testbed_says_it_is_linux_only(monkeypatch):
     with pytest.raises(testbed.TestbedError, match="Linux-only"):
         testbed.Testbed(3).up()
 
-    from plait import cli
+    from plait.tools import cli
 
     err = io.StringIO()
     monkeypatch.setattr(sys, "stderr", err)
@@ -501,7 +504,7 @@ def test_testbed_says_it_is_linux_only(monkeypatch):
     # `plait demo`'s mesh act skips with that reason.
     from rich.console import Console
 
-    from plait import demo
+    from plait.tools import demo
 
     buf = io.StringIO()
     assert demo.mesh_act(Console(file=buf, width=200)) is None
@@ -509,7 +512,7 @@ def test_testbed_says_it_is_linux_only(monkeypatch):
 
 
 def test_sigterm_handler_without_sighup(monkeypatch):
-    from plait import cli
+    from plait.tools import cli
 
     monkeypatch.delattr(signal, "SIGHUP", raising=False)
     installed = []
@@ -679,15 +682,16 @@ WINDOWS_LIKE = textwrap.dedent("""
             delattr(signal, name)
     import rich.console  # noqa: F401  (imported as on Linux: it has its own Windows console code)
     sys.platform = "win32"
-    import plait, plait.cli, plait.demo, plait.bench, plait.doctor, plait.demo_ddp, plait.testbed, plait.testbed.run
-    from plait import _local
+    import plait, plait.tools.cli, plait.tools.demo, plait.tools.bench, plait.tools.doctor, plait.tools.demo_ddp
+    import plait.tools.testbed, plait.tools.testbed.run
+    from plait.tools import _local
     assert _local.popen_kwargs() == {}
     p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], **_local.popen_kwargs())
     _local.stop_all([p], term_wait=5)
     assert p.returncode is not None, p.returncode
-    assert plait.testbed.check_can_build().startswith("the testbed is Linux-only")
-    assert plait.cli.main(["testbed", "status"]) == 2
-    plait.cli._sigterm_as_exit()
+    assert plait.tools.testbed.check_can_build().startswith("the testbed is Linux-only")
+    assert plait.tools.cli.main(["testbed", "status"]) == 2
+    plait.tools.cli._sigterm_as_exit()
     print("ok")
 """)
 

@@ -1,6 +1,7 @@
 """Child side of the multi-process tests: `python worker.py <cases> <rank> <n> <store> <port> <events> <args>`.
 Connects to the parent's store, runs `<cases>.run(ctx)` and writes JSON events (one per line):
-{"ev": "fail", "case", "msg"}, {"ev": "metric", ...}, and finally {"ev": "done", ...}."""
+{"ev": "pass", "case"}, {"ev": "fail", "case", "msg"}, {"ev": "metric", ...}, and finally
+{"ev": "done", ...}."""
 
 import datetime
 import importlib
@@ -9,6 +10,8 @@ import os
 import sys
 import time
 import traceback
+
+import plan
 
 
 class Ctx:
@@ -22,7 +25,6 @@ class Ctx:
         self.cases = 0
         self.failures = 0
         self.digests = {}
-        self.label = ""  # prefixed to case names (e.g. the forced algorithm)
 
     # -- reporting ------------------------------------------------------------------------------
     def emit(self, ev, **kw):
@@ -30,16 +32,24 @@ class Ctx:
         self._events.flush()
 
     def fail(self, case, msg):
-        case = f"{self.label}{case}"
         self.failures += 1
-        if self.failures <= 200:  # enough to diagnose, not enough to drown the report
-            self.emit("fail", case=case, msg=str(msg)[:2000])
+        if self.failures > 200:  # enough to diagnose, not enough to drown the report; still named
+            msg = "(message dropped: more than 200 failures on this rank)"
+        self.emit("fail", case=case, msg=str(msg)[:2000])
 
     def check(self, case, problem):
-        """Counts a case; `problem` is None (pass) or a message."""
+        """Counts and reports a case by name; `problem` is None (pass) or a message."""
         self.cases += 1
         if problem:
             self.fail(case, problem)
+        else:
+            self.emit("pass", case=case)
+
+    def run_cases(self, cases):
+        """Runs plan.Case objects in order, each reported under its planned name. An exception
+        propagates: the rest of the cases go unreported, which the parent counts as failures."""
+        for case in cases:
+            self.check(case.name, case.run(self))
 
     def metric(self, name, **values):
         self.emit("metric", name=name, **values)
@@ -64,17 +74,15 @@ class Ctx:
         return any(self.store.get(k) == b"1" for k in keys)
 
     def sections(self, sections, **comm_kw):
-        """Runs (name, fn(ctx)) in order. An exception ends the section on that rank; after every
-        section all ranks meet in the store and rebuild the communicator if any rank raised."""
+        """Runs (name, cases) in order, the sections PLAIT_TEST_SECTIONS names (e.g.
+        "allreduce,p2p" while debugging) or all. An exception ends the section on that rank; after
+        every section all ranks meet in the store and rebuild the communicator if any rank raised."""
         if self.comm is None:
             self.new_comm(**comm_kw)
-        only = os.environ.get("PLAIT_TEST_SECTIONS")  # e.g. "allreduce,p2p" while debugging
-        for name, fn in sections:
-            if only and name not in only.split(","):
-                continue
+        for name, cases in plan.selected(sections):
             raised = False
             try:
-                fn(self)
+                self.run_cases(cases)
             except Exception as e:
                 self.fail(f"{name} (section aborted)", f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=4)}")
                 raised = True

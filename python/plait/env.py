@@ -23,7 +23,7 @@ def init_from_env(*, store_timeout=300.0, **kwargs):
         from torch.distributed import TCPStore  # noqa: F401
     except ImportError:
         raise ConfigError("init_from_env needs torch for its TCPStore: pip install 'plait[torch]'") from None
-    from ._local import tcp_store
+    from ._store import tcp_store
 
     store = tcp_store(
         env["MASTER_ADDR"], port, world, rank == 0,

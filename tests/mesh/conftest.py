@@ -1,9 +1,9 @@
-"""Mesh tests run real worlds inside a testbed of network namespaces (plait.testbed). They need root
+"""Mesh tests run real worlds inside a testbed of network namespaces (plait.tools.testbed). They need root
 and `ip netns`; elsewhere they are skipped with the reason."""
 
 import pytest
 
-from plait import testbed
+from plait.tools import testbed
 
 REASON = testbed.check_can_build()
 PREFIX = "pltest"

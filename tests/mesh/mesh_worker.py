@@ -12,7 +12,7 @@ import traceback
 import numpy as np
 
 import plait
-from plait.doctor import DoctorStore
+from plait.tools.doctor import DoctorStore
 
 
 def emit(**ev):

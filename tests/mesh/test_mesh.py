@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from plait.testbed import LAN_IFACE, Testbed, cable_addr, cable_iface, lan_addr
+from plait.tools.testbed import LAN_IFACE, Testbed, cable_addr, cable_iface, lan_addr
 
 HERE = Path(__file__).resolve().parent
 WORKER = str(HERE / "mesh_worker.py")
@@ -131,8 +131,8 @@ def test_cable_down_mid_allreduce_fails_every_rank_naming_the_peer():
     with bed(3, link_rate="1gbit") as tb:
         procs = []
         argv = [sys.executable, WORKER, "cable_down", json.dumps({"op_timeout": op_timeout, "count": 4 * 2**20})]
-        from plait.testbed import free_port
-        from plait.testbed.run import stop_all
+        from plait.tools.testbed import free_port
+        from plait.tools.testbed.run import stop_all
 
         port = free_port()
         outs = [[] for _ in range(3)]
@@ -182,7 +182,7 @@ def test_doctor_on_mesh_warns_and_exits_nonzero_for_unreachable_peer():
     warnings for both; with the LAN excluded too, the peer is unreachable: non-zero exit naming it."""
     with bed(3, link_rate="1gbit", lan_rate="100mbit", mtu_ends={(0, 2): 9000}) as tb:
         tb.set_cable(1, 2, up=False)
-        cmd = [sys.executable, "-m", "plait.cli", "doctor", "--json", "--timeout", "8", "--budget", "0.1"]
+        cmd = [sys.executable, "-m", "plait.tools.cli", "doctor", "--json", "--timeout", "8", "--budget", "0.1"]
         res = tb.run(cmd, timeout=60, stream=False)
         assert res.returncodes[0] == 0, res.output(0)[-3000:]
         rep = json.loads("\n".join(x for x in res.lines[0] if not x.startswith("[W")))
@@ -208,7 +208,7 @@ def test_testbed_cli_up_run_down():
     import subprocess
 
     name = next(_names)
-    cli = [sys.executable, "-m", "plait.cli", "testbed"]
+    cli = [sys.executable, "-m", "plait.tools.cli", "testbed"]
 
     def sh(*args, timeout=60):
         return subprocess.run(cli + list(args), capture_output=True, text=True, timeout=timeout)

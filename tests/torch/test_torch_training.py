@@ -58,7 +58,7 @@ def test_ddp_with_compressed_wire_reaches_the_float32_loss(wire):
 
     from rich.console import Console
 
-    from plait.demo_ddp import run_wire_check
+    from plait.tools.demo_ddp import run_wire_check
 
     out = io.StringIO()
     s = run_wire_check(Console(file=out, width=120), wire, nproc=2, steps=60, tail=10)

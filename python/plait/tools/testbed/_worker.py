@@ -1,6 +1,6 @@
-"""One rank of a testbed allreduce measurement (used by plait.testbed.bench and the demo's mesh act).
+"""One rank of a testbed allreduce measurement (used by plait.tools.testbed.bench and the demo's mesh act).
 
-    python -m plait.testbed._worker --lib plait|gloo --bytes N --iters K [--warmup W] [--timeout T]
+    python -m plait.tools.testbed._worker --lib plait|gloo --bytes N --iters K [--warmup W] [--timeout T]
 
 Reads RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; allreduces a float32 buffer of N bytes K times
 (after W warm-up rounds), checks the result exactly, and prints one JSON line:
@@ -25,7 +25,7 @@ def emit(**ev):
 
 def _plait(args, rank, n):
     import plait
-    from plait.doctor import DoctorStore  # small store: no torch import (seconds) in every rank
+    from plait.tools.doctor import DoctorStore  # small store: no torch import (seconds) in every rank
 
     store = DoctorStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), rank == 0, args.timeout)
     comm = plait.Communicator(store, rank, n, timeout=args.timeout)

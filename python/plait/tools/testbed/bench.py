@@ -2,8 +2,8 @@
 plait against the full-mesh bound 2S/(N B), gloo with default settings, and gloo with the best
 manual workaround. Everything is measured in the same run, on the same testbed.
 
-    sudo python -m plait.testbed.bench                       # N = 3 and 4, 64 MiB, 1gbit cables, 100mbit LAN
-    sudo python -m plait.testbed.bench --nodes 3 --mib 16 --json bench.json
+    sudo python -m plait.tools.testbed.bench                       # N = 3 and 4, 64 MiB, 1gbit cables, 100mbit LAN
+    sudo python -m plait.tools.testbed.bench --nodes 3 --mib 16 --json bench.json
 
 The gloo workaround (what a careful user would set up by hand): every node gets a /32 "node"
 address on its loopback (10.200.0.<i+1>), a static host route to every other node's address over
@@ -34,7 +34,7 @@ _NOISE = ("hostname of the client socket cannot be retrieved",)
 def measure(tb, lib, *, nbytes, iters, warmup, timeout, env=None, console=None):
     """Runs the allreduce worker on every node; returns {"t", "ok", "err", "algo", "topology",
     "routes", "per_rank"} with t = the slowest rank's median time in seconds."""
-    cmd = [sys.executable, "-m", "plait.testbed._worker", "--lib", lib, "--bytes", str(nbytes), "--iters",
+    cmd = [sys.executable, "-m", "plait.tools.testbed._worker", "--lib", lib, "--bytes", str(nbytes), "--iters",
            str(iters), "--warmup", str(warmup), "--timeout", str(timeout)]
     res = tb.run(cmd, timeout=timeout + 30, env=env, stream=False, grace=5.0)
     per_rank, errs = [], []
@@ -126,7 +126,7 @@ def report(results, console):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m plait.testbed.bench", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m plait.tools.testbed.bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--nodes", type=int, nargs="+", default=[3, 4])
     p.add_argument("--link-rate", default="1gbit")
     p.add_argument("--lan-rate", default="100mbit")
@@ -163,7 +163,7 @@ def main(argv=None):
         console.print(f"[red]{e}")
         return 2
     report(results, console)
-    console.print(f"[dim]{time.monotonic() - t0:.0f} s in all; command: python -m plait.testbed.bench "
+    console.print(f"[dim]{time.monotonic() - t0:.0f} s in all; command: python -m plait.tools.testbed.bench "
                   + " ".join(argv if argv is not None else sys.argv[1:]), highlight=False)
     if args.json:
         with open(args.json, "w") as f:

@@ -7,7 +7,7 @@ import threading
 import time
 
 # stop_all: SIGTERM every process group, SIGKILL what is left after a grace period, reap all; shared
-# with the commands that start local ranks (plait._local), and imported from here by older callers.
+# with the commands that start local ranks (plait.tools._local), and imported from here by older callers.
 from .._local import stop_all
 
 

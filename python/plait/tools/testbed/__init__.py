@@ -192,7 +192,7 @@ class Testbed:
     cable to node j only (to build an MTU mismatch). links: the pairs that get a cable (default
     every pair: a full mesh). node_addrs: also give each node a /32 address 10.200.0.<i+1> on its
     loopback, with host routes to every other node's over the cables (the manual workaround other
-    libraries need; see resolve_hostnames and plait.testbed.bench).
+    libraries need; see resolve_hostnames and plait.tools.testbed.bench).
     """
 
     __test__ = False

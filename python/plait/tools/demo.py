@@ -1,6 +1,6 @@
 """`plait demo`: start a few local ranks on loopback, run every collective once with verification,
 then an allreduce size sweep, and print what happened next to a raw TCP stream measured in the same
-run. The ranks are `python -m plait.demo --worker` processes (see _demo_worker.py)."""
+run. The ranks are `python -m plait.tools.demo --worker` processes (see _demo_worker.py)."""
 
 import json
 import os
@@ -15,7 +15,8 @@ from statistics import median
 from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
-from ._local import kill_group, popen_kwargs, read_json_lines as _read, tcp_store
+from .._store import tcp_store
+from ._local import kill_group, popen_kwargs, read_json_lines as _read
 
 LIMIT = 150.0  # seconds before the demo gives up on its ranks
 
@@ -37,7 +38,7 @@ def run(nproc=3, quick=False, json_path=None, console=None, mesh=True):
     events = queue.Queue()
     try:
         for r in range(nproc):
-            cmd = [sys.executable, "-m", "plait.demo", "--worker", "--rank", str(r), "--nproc", str(nproc),
+            cmd = [sys.executable, "-m", "plait.tools.demo", "--worker", "--rank", str(r), "--nproc", str(nproc),
                    "--port", str(store.port)] + (["--quick"] if quick else [])
             procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=logs[r], **popen_kwargs(),
                                           env=dict(os.environ, PYTHONUNBUFFERED="1")))
@@ -235,7 +236,7 @@ def _time(t):
 
 if __name__ == "__main__":
     if "--worker" in sys.argv[1:]:
-        from plait._demo_worker import main
+        from plait.tools._demo_worker import main
 
         sys.exit(main(sys.argv[1:]))
     sys.exit(run(quick="--quick" in sys.argv[1:]))

@@ -1,5 +1,5 @@
 """One rank of `plait demo`: every collective once (checked against numpy), an allreduce size sweep,
-and a raw TCP stream for comparison. Writes JSON lines to stdout for the parent (plait.demo)."""
+and a raw TCP stream for comparison. Writes JSON lines to stdout for the parent (plait.tools.demo)."""
 
 import argparse
 import datetime
@@ -10,7 +10,7 @@ import time
 
 import numpy as np
 
-from .comm import Communicator
+from ..comm import Communicator
 
 MiB = 2**20
 
@@ -187,14 +187,14 @@ def _size(nbytes):
 
 
 def main(argv):
-    p = argparse.ArgumentParser(prog="python -m plait.demo --worker")
+    p = argparse.ArgumentParser(prog="python -m plait.tools.demo --worker")
     p.add_argument("--worker", action="store_true")
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--nproc", type=int, required=True)
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--quick", action="store_true")
     a = p.parse_args(argv)
-    from ._local import tcp_store
+    from .._store import tcp_store
 
     store = tcp_store("127.0.0.1", a.port, None, False, timeout=datetime.timedelta(seconds=60))
     n, me = a.nproc, a.rank

@@ -21,7 +21,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from ._local import free_port as _free_port, kill_group, popen_kwargs, tcp_store
+from .._store import tcp_store
+from ._local import free_port as _free_port, kill_group, popen_kwargs
 
 OPS = ("allreduce", "allgather", "reduce_scatter", "broadcast", "alltoall", "sendrecv")
 DTYPES = ("f32", "f64", "f16", "bf16", "i32", "i64", "u8")
@@ -405,7 +406,7 @@ def launch(args) -> int:
     try:
         for r in range(n):
             env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(n), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-            cmd = [sys.executable, "-m", "plait.bench", "--worker", "--out", out, *argv]
+            cmd = [sys.executable, "-m", "plait.tools.bench", "--worker", "--out", out, *argv]
             procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE if r == 0 else subprocess.DEVNULL,
                                           text=True, **popen_kwargs()))
         with Progress(transient=True) as bar:

@@ -7,8 +7,7 @@ terminal reaches only the parent, which then tears the ranks down. Windows has n
 to signal (and no `os.killpg`, SIGKILL or `start_new_session`): there the rank itself is
 terminated (`Popen.kill()`, TerminateProcess).
 
-Store: torch's TCPStore on Windows is built without libuv, so `use_libuv=False` there
-(`tcp_store`).
+The ranks' store comes from plait._store (`tcp_store`), shared with the library's init_from_env.
 """
 
 import json
@@ -16,7 +15,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 
 POSIX_GROUPS = hasattr(os, "killpg")  # False on Windows
@@ -94,20 +92,3 @@ def stop_all(procs, term_wait=2.0):
             p.wait(10)
         except subprocess.TimeoutExpired:
             pass
-
-
-# -- torch's store --------------------------------------------------------------------------------------
-def tcp_store_kwargs(platform=None):
-    """Extra TCPStore arguments this platform needs: torch on Windows has no libuv TCPStore (and
-    torch's own env:// rendezvous passes use_libuv=False there too)."""
-    return {"use_libuv": False} if (platform or sys.platform) == "win32" else {}
-
-
-def tcp_store(host, port, world_size=None, is_master=False, **kwargs):
-    """torch.distributed.TCPStore(host, port, world_size, is_master, **kwargs), with what this
-    platform needs (`tcp_store_kwargs`)."""
-    from torch.distributed import TCPStore
-
-    for k, v in tcp_store_kwargs().items():
-        kwargs.setdefault(k, v)
-    return TCPStore(host, port, world_size, is_master, **kwargs)

@@ -2,7 +2,7 @@
 with it.
 
 Run it the way the job runs (torchrun-style environment: RANK, WORLD_SIZE, MASTER_ADDR,
-MASTER_PORT), e.g. `torchrun --nnodes 3 ... -m plait.cli doctor`, `plait testbed run -- plait
+MASTER_PORT), e.g. `torchrun --nnodes 3 ... -m plait.tools.cli doctor`, `plait testbed run -- plait
 doctor`, or `plait doctor --local 3` (3 ranks on this machine). Rank 0 prints:
 
 - every rank's interfaces (as plait sees and publishes them),
@@ -32,7 +32,8 @@ import threading
 import time
 import traceback
 from . import _thunderbolt
-from ._local import free_port as _free_port, popen_kwargs, stop_all, tcp_store
+from .._store import tcp_store
+from ._local import free_port as _free_port, popen_kwargs, stop_all
 
 import numpy as np
 
@@ -49,13 +50,13 @@ def _machine_id():
     groups ranks into hosts exactly as the core picks loopback routes; None where the system does
     not say (or an older core). A hostname is no stand-in: two machines can share one, and ranks
     wrongly grouped onto one host would hide the very problems the report looks for."""
-    from . import _core
+    from .. import _core
 
     return _core.host_identity() if hasattr(_core, "host_identity") else None
 
 
 def local_interfaces():
-    from . import _core
+    from .. import _core
 
     if hasattr(_core, "interfaces"):
         return [dict(a) for a in _core.interfaces()]
@@ -764,7 +765,7 @@ def run_local(n, args_list, timeout):
                        PLAIT_DOCTOR_STORE="builtin")
             log = tempfile.TemporaryFile()
             logs.append(log)
-            procs.append(subprocess.Popen([sys.executable, "-m", "plait.cli", "doctor"] + args_list, env=env,
+            procs.append(subprocess.Popen([sys.executable, "-m", "plait.tools.cli", "doctor"] + args_list, env=env,
                                           stdout=None if r == 0 else subprocess.DEVNULL,
                                           stderr=None if r == 0 else log, **popen_kwargs()))
         deadline = time.monotonic() + timeout

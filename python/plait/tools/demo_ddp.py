@@ -2,13 +2,13 @@
 
 Both runs train the same small model on the same batches; the act prints the two loss curves side
 by side (they agree to float rounding: only the order of the gradient sums may differ) and the
-step times. Run alone with `python -m plait.demo_ddp [--nproc 3] [--steps 30]`.
+step times. Run alone with `python -m plait.tools.demo_ddp [--nproc 3] [--steps 30]`.
 
-`python -m plait.demo_ddp --wire bf16` instead trains with plait twice, float32 on the wire and
+`python -m plait.tools.demo_ddp --wire bf16` instead trains with plait twice, float32 on the wire and
 then compressed (bf16, f16 or int8), and compares the losses: compression rounds every gradient
 sum, so the curves are not identical, but they must end at the same loss within noise.
 
-The ranks are `python -m plait.demo_ddp --worker` processes meeting through torchrun's
+The ranks are `python -m plait.tools.demo_ddp --worker` processes meeting through torchrun's
 environment variables (rank 0 serves the TCPStore); they write JSON lines to stdout.
 """
 
@@ -99,7 +99,7 @@ def _run_backend(backend, nproc, steps, batch, on_step, wire=None):
         env["PLAIT_WIRE_DTYPE"] = wire
     try:
         for r in range(nproc):
-            cmd = [sys.executable, "-m", "plait.demo_ddp", "--worker", "--backend", backend,
+            cmd = [sys.executable, "-m", "plait.tools.demo_ddp", "--worker", "--backend", backend,
                    "--steps", str(steps), "--batch", str(batch)]
             procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=logs[r], **popen_kwargs(),
                                           env=dict(env, RANK=str(r), LOCAL_RANK=str(r))))
