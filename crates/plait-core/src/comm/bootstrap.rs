@@ -19,7 +19,7 @@ use crate::net::peer::PeerLink;
 use crate::net::route::{candidate_routes, prefer_dedicated, IfaceFilter, Route};
 use crate::platform::host::{self, same_host};
 use crate::raw::RawBuf;
-use crate::session::{Demux, Mailbox, Session};
+use crate::session::{Demux, Groups, Mailbox, Session};
 use crate::store::Store;
 use serde::{Deserialize, Serialize};
 use std::net::TcpStream;
@@ -67,6 +67,12 @@ impl Plan<'_> {
 }
 
 /// Meets the other ranks of `cfg`'s group and epoch through `store` and builds the mesh.
+/// How often an idle link says it is alive: often enough that a silent peer is noticed well
+/// within the timeout.
+pub(crate) fn heartbeat(timeout: Duration) -> Duration {
+    (timeout / 4).clamp(Duration::from_millis(50), Duration::from_secs(1))
+}
+
 pub(crate) fn bootstrap(store: &dyn Store, cfg: &CommConfig) -> Result<Mesh> {
     let (rank, size) = (cfg.rank, cfg.size);
     if size == 0 || rank >= size {
@@ -88,7 +94,7 @@ pub(crate) fn bootstrap(store: &dyn Store, cfg: &CommConfig) -> Result<Mesh> {
             lane: 0,
             lanes: cfg.streams.clamp(1, MAX_STREAMS) as u8,
         },
-        heartbeat: (cfg.timeout / 4).clamp(Duration::from_millis(50), Duration::from_secs(1)),
+        heartbeat: heartbeat(cfg.timeout),
     };
     let listener = if size > 1 { Some(Listener::bind(plan.hello.clone())?) } else { None };
     let me = PeerInfo {
@@ -101,8 +107,9 @@ pub(crate) fn bootstrap(store: &dyn Store, cfg: &CommConfig) -> Result<Mesh> {
     store.set(&format!("{}/rank/{rank}", plan.prefix), &serde_json::to_vec(&me).unwrap())?;
 
     let mailbox = Arc::new(Mailbox::new());
-    let demux = Arc::new(Demux::new(mailbox.clone(), plan.heartbeat));
-    let mut session = Session::new(rank, size, mailbox)?;
+    let groups = Arc::new(Groups::default());
+    let demux = Arc::new(Demux::new(mailbox.clone(), plan.heartbeat, Some(groups.clone())));
+    let mut session = Session::new(rank, size, mailbox, groups)?;
     session.busy_poll = cfg.busy_poll;
     let mut routes = Vec::new();
     let connected = rendezvous(&plan, &me).and_then(|infos| {

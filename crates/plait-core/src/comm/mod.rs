@@ -26,7 +26,7 @@ use crate::raw::RawBuf;
 use crate::sched::cost::LinkModel;
 use crate::sched::select::{parse_algo_spec, Selector};
 use crate::sched::Collective;
-use crate::session::Session;
+use crate::session::{group_id, Demux, Mailbox, Session};
 use crate::store::Store;
 use parking_lot::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -44,20 +44,34 @@ pub struct Communicator {
     topology: Topology,
     closed: AtomicBool,
     workers: Workers,
+    /// A subgroup's owner, whose links it uses (kept open while the subgroup lives).
+    owner: Option<Owner>,
+}
+
+struct Owner {
+    comm: Arc<Communicator>,
+    /// The owner's rank of each rank of the subgroup.
+    ranks: Vec<usize>,
+}
+
+/// The algorithm selector of a communicator configured by `cfg` on a mesh of `topology`.
+fn selector(cfg: &CommConfig, topology: Topology) -> Result<Selector> {
+    let overrides = match &cfg.algo {
+        Some(spec) => parse_algo_spec(spec)?,
+        None => Default::default(),
+    };
+    let model = LinkModel { shared: topology != Topology::FullMesh, ..LinkModel::default() };
+    Ok(Selector::new(overrides, model, cfg.segment_bytes))
 }
 
 impl Communicator {
     /// Meets the other ranks through `store` and connects to every one of them.
     pub fn new(store: &dyn Store, cfg: CommConfig) -> Result<Arc<Communicator>> {
         // Settings are checked before anything is published, so a typo fails every rank at once.
-        let overrides = match &cfg.algo {
-            Some(spec) => parse_algo_spec(spec)?,
-            None => Default::default(),
-        };
+        selector(&cfg, Topology::FullMesh)?;
         let mesh = bootstrap::bootstrap(store, &cfg)?;
-        let model = LinkModel { shared: mesh.topology != Topology::FullMesh, ..LinkModel::default() };
         Ok(Arc::new(Communicator {
-            selector: Selector::new(overrides, model, cfg.segment_bytes),
+            selector: selector(&cfg, mesh.topology)?,
             cfg,
             session: mesh.session,
             seq: AtomicU64::new(1),
@@ -66,6 +80,67 @@ impl Communicator {
             topology: mesh.topology,
             closed: AtomicBool::new(false),
             workers: Workers::new(),
+            owner: None,
+        }))
+    }
+
+    /// A communicator over `ranks` (ranks of this one; their order gives the new ranks) that
+    /// shares this one's links: nothing is sent and no socket opened, so every member can create
+    /// it in microseconds. Every member must pass the same `name` and `ranks`; the name must not
+    /// have been used for another subgroup of this communicator. It fails when this one fails
+    /// (a link down, an abort), but its own failures (a timeout, a mismatch) leave this one and
+    /// the other subgroups working.
+    pub fn subgroup(self: &Arc<Self>, name: &str, ranks: &[usize], timeout: Option<Duration>) -> Result<Arc<Communicator>> {
+        self.usable()?;
+        if let Some(owner) = &self.owner {
+            // A subgroup of a subgroup: a subgroup of the links' owner, with the ranks translated.
+            let mut in_owner = Vec::with_capacity(ranks.len());
+            for &r in ranks {
+                check_rank("subgroup rank", r, self.cfg.size)?;
+                in_owner.push(owner.ranks[r]);
+            }
+            let name = format!("{}/{name}", self.cfg.group.strip_prefix(&format!("{}/", owner.comm.cfg.group)).unwrap_or(&self.cfg.group));
+            return owner.comm.subgroup(&name, &in_owner, timeout);
+        }
+        let mut seen = vec![false; self.cfg.size];
+        for &r in ranks {
+            check_rank("subgroup rank", r, self.cfg.size)?;
+            if std::mem::replace(&mut seen[r], true) {
+                return Err(PlaitError::invalid(format!("subgroup {name}: rank {r} is listed twice")));
+            }
+        }
+        if !seen[self.cfg.rank] {
+            return Err(PlaitError::invalid(format!("subgroup {name}: this rank ({}) is not in {ranks:?}", self.cfg.rank)));
+        }
+        let cfg = CommConfig {
+            rank: ranks.iter().position(|&r| r == self.cfg.rank).unwrap(),
+            size: ranks.len(),
+            group: format!("{}/{name}", self.cfg.group),
+            timeout: timeout.unwrap_or(self.cfg.timeout),
+            ..self.cfg.clone()
+        };
+        let id = group_id(&cfg.group);
+        let mailbox = Arc::new(Mailbox::new());
+        let demux = Arc::new(Demux::new(mailbox.clone(), bootstrap::heartbeat(self.cfg.timeout), None));
+        let session = Arc::new(Session::subgroup(&self.session, id, ranks, mailbox));
+        demux.attach(&session);
+        self.session.groups.register(id, ranks, demux, &session)?;
+        let routes = self
+            .routes
+            .iter()
+            .filter_map(|l| Some(LinkRecord { peer: ranks.iter().position(|&r| r == l.peer)?, ..l.clone() }))
+            .collect();
+        Ok(Arc::new(Communicator {
+            selector: selector(&cfg, self.topology)?,
+            cfg,
+            session,
+            seq: AtomicU64::new(1),
+            listener: Mutex::new(None),
+            routes,
+            topology: self.topology,
+            closed: AtomicBool::new(false),
+            workers: Workers::new(),
+            owner: Some(Owner { comm: self.clone(), ranks: ranks.to_vec() }),
         }))
     }
 
@@ -246,6 +321,9 @@ impl Communicator {
         }
         self.session.fail(PlaitError::Broken("the communicator was closed".into()), false);
         self.workers.close();
+        if self.owner.is_some() {
+            self.session.groups.unregister(self.session.group);
+        }
         self.session.join_links();
         if let Some(l) = self.listener.lock().take() {
             l.close();

@@ -59,6 +59,9 @@ pub struct FrameHeader {
     /// Hash of the call's counts where every rank knows them all (0: not checked), so ranks
     /// passing different counts fail even when the messages they exchange happen to fit.
     pub layout_id: u32,
+    /// Which group of the mesh the frame belongs to: 0 for the communicator that owns the links,
+    /// else a subgroup sharing them (see `session::groups`).
+    pub group: u64,
 }
 
 /// Tags at and above this are plait's own (link probes); users get the ones below.
@@ -99,6 +102,7 @@ impl FrameHeader {
             nbytes,
             sched_id: call.sched_id,
             layout_id: call.layout_id,
+            group: 0,
         }
     }
 
@@ -136,6 +140,7 @@ impl FrameHeader {
         b[40..48].copy_from_slice(&self.nbytes.to_le_bytes());
         b[48..52].copy_from_slice(&self.sched_id.to_le_bytes());
         b[52..56].copy_from_slice(&self.layout_id.to_le_bytes());
+        b[56..64].copy_from_slice(&self.group.to_le_bytes());
         b
     }
 
@@ -163,6 +168,7 @@ impl FrameHeader {
             nbytes: u64_at(40),
             sched_id: u32_at(48),
             layout_id: u32_at(52),
+            group: u64_at(56),
         };
         if FrameKind::from_u8(h.kind).is_none() {
             return Err(io::Error::new(io::ErrorKind::InvalidData, format!("unknown frame kind {}", h.kind)));
@@ -249,7 +255,7 @@ mod tests {
 
     #[test]
     fn header_round_trips_and_rejects_garbage() {
-        let h = FrameHeader { kind: 1, coll: 2, dtype: 3, op: 4, seq: 5, step: 6, segment: 7, ordinal: 8, root: 9, count: 10, nbytes: 11, sched_id: 12, layout_id: 13 };
+        let h = FrameHeader { kind: 1, coll: 2, dtype: 3, op: 4, seq: 5, step: 6, segment: 7, ordinal: 8, root: 9, count: 10, nbytes: 11, sched_id: 12, layout_id: 13, group: u64::MAX - 14 };
         assert_eq!(FrameHeader::decode(&h.encode()).unwrap(), h);
         let mut junk = h.encode();
         junk[0] ^= 0xff;

@@ -173,10 +173,10 @@ impl PeerLink {
         self.send(SendReq { header, data, done: Some(Box::new(move |_| drop(payload))) });
     }
 
-    /// Sends a control frame (Abort, Close) on every lane ahead of queued data, at the next
-    /// frame boundary. `done` runs once, when every lane has written it (or failed to).
-    pub fn send_urgent(&self, kind: FrameKind, payload: Vec<u8>, done: Option<SendDone>) {
-        let header = FrameHeader { kind: kind as u8, nbytes: payload.len() as u64, ..Default::default() };
+    /// Sends a control frame (Abort, Close) of `group` on every lane ahead of queued data, at the
+    /// next frame boundary. `done` runs once, when every lane has written it (or failed to).
+    pub fn send_urgent(&self, kind: FrameKind, group: u64, payload: Vec<u8>, done: Option<SendDone>) {
+        let header = FrameHeader { kind: kind as u8, nbytes: payload.len() as u64, group, ..Default::default() };
         // The payload lives until the last lane has written it; the first error is reported.
         struct Fanout {
             payload: Vec<u8>,

@@ -210,7 +210,8 @@ impl ReadSide {
         self.touch();
         match FrameKind::from_u8(header.kind) {
             Some(FrameKind::Heartbeat) => return Ok(()),
-            Some(FrameKind::Close) => self.closed_cleanly.store(true, Ordering::Release),
+            // A subgroup's Close ends that group, not the link.
+            Some(FrameKind::Close) if header.group == 0 => self.closed_cleanly.store(true, Ordering::Release),
             _ => {}
         }
         let mut payload = Payload { rx, stream: &self.stream, wait, left: header.nbytes, side: self };

@@ -3,6 +3,7 @@
 //! communicator failures (with the blame worked out in `blame`).
 
 use super::blame::{self, Down};
+use super::groups::Groups;
 use super::mailbox::Mailbox;
 use super::Session;
 use crate::error::PlaitError;
@@ -33,10 +34,13 @@ pub(crate) struct Demux {
     /// Close frames received per peer: one comes on each of its lanes, and the peer has closed
     /// once all have (data sent earlier on another lane may still be on its way before that).
     closes: Mutex<HashMap<usize, usize>>,
+    /// The subgroups sharing these links (the owner's demux only): frames of a group go there.
+    groups: Option<Arc<Groups>>,
 }
 
 impl Demux {
-    pub(crate) fn new(mailbox: Arc<Mailbox>, heartbeat: Duration) -> Self {
+    /// `groups`: this demux is the links' own (their owner's), and routes subgroups' frames there.
+    pub(crate) fn new(mailbox: Arc<Mailbox>, heartbeat: Duration, groups: Option<Arc<Groups>>) -> Self {
         Demux {
             mailbox,
             session: Mutex::new(Weak::new()),
@@ -45,6 +49,7 @@ impl Demux {
             early_pings: Mutex::new(Vec::new()),
             quiet: heartbeat * 3,
             closes: Mutex::new(HashMap::new()),
+            groups,
         }
     }
 
@@ -113,6 +118,10 @@ fn read_text(payload: &mut dyn Read, max: usize) -> io::Result<String> {
 
 impl Inbox for Demux {
     fn deliver(&self, peer: usize, h: &FrameHeader, payload: &mut dyn Read) -> io::Result<()> {
+        // The links' own demux hands subgroups' frames on; a subgroup's gets only its own.
+        if let (Some(groups), true) = (&self.groups, h.group != 0) {
+            return groups.deliver(peer, h, payload);
+        }
         match FrameKind::from_u8(h.kind) {
             Some(FrameKind::P2p) if h.seq == PING_TAG => {
                 // Answered here, on the receiver thread, so the prober measures the link alone.
@@ -154,6 +163,9 @@ impl Inbox for Demux {
                 };
                 // Operations that no longer need this peer go on; those waiting for it fail.
                 self.mailbox.peer_closed(peer, &err);
+                if let Some(groups) = &self.groups {
+                    groups.peer_closed(peer, &err);
+                }
                 Ok(())
             }
             _ => read_text(payload, 0).map(|_| ()),

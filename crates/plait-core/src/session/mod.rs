@@ -10,11 +10,13 @@
 
 mod blame;
 mod demux;
+pub(crate) mod groups;
 pub(crate) mod landing;
 pub(crate) mod mailbox;
 pub(crate) mod pool;
 
 pub(crate) use demux::Demux;
+pub(crate) use groups::{group_id, Groups};
 pub(crate) use landing::{Keep, Landing, Part};
 pub(crate) use mailbox::{describe_header, Expect, Mailbox, Posted};
 
@@ -39,17 +41,17 @@ pub(crate) struct Event {
 pub(crate) struct Session {
     pub rank: usize,
     pub size: usize,
-    /// Filled by `attach_link`.
+    /// 0 for the session that owns the links; a subgroup's id (see `groups`) for one that
+    /// shares them. Every frame this session sends carries it.
+    pub group: u64,
+    /// Filled by `attach_link` (a subgroup: the owner's links to its members, by group rank).
     pub(crate) links: Vec<Option<Arc<PeerLink>>>,
-    /// Every link's lanes, for threads that read the links themselves (`progress`).
-    callers: CallerPoll,
+    /// Who reads the links, shared by the owner and its subgroups (the links are the same).
+    reading: Arc<Reading>,
+    /// The owner's subgroups (a subgroup holds its owner's, to leave it when it closes).
+    pub(crate) groups: Arc<Groups>,
     pub mailbox: Arc<Mailbox>,
     broken: Mutex<Option<PlaitError>>,
-    /// Whether threads waiting for operations read the links themselves (see `net::reader`).
-    caller_progress: AtomicBool,
-    /// Held while the links are switched, so two threads switching at once cannot leave the
-    /// links disagreeing with `caller_progress`.
-    caller_switch: Mutex<()>,
     /// How long a waiting caller polls its links without sleeping before it blocks (latency
     /// for CPU: only worth it with a core to spare per rank).
     pub busy_poll: Duration,
@@ -57,28 +59,60 @@ pub(crate) struct Session {
     p2p_send_next: Mutex<HashMap<(usize, u64), u32>>,
 }
 
+/// Whether threads waiting for operations read the links themselves (see `net::reader`).
+struct Reading {
+    /// Every link's lanes, for threads that read the links themselves (`progress`).
+    callers: CallerPoll,
+    on: AtomicBool,
+    /// Every link of the owner: the switch applies to all of them.
+    links: Mutex<Vec<Arc<PeerLink>>>,
+    /// Held while the links are switched, so two threads switching at once cannot leave the
+    /// links disagreeing with `on`.
+    switch: Mutex<()>,
+}
+
 impl Session {
-    pub fn new(rank: usize, size: usize, mailbox: Arc<Mailbox>) -> std::io::Result<Session> {
-        Ok(Session {
+    /// The session that owns the links (attached with `attach_link`).
+    pub fn new(rank: usize, size: usize, mailbox: Arc<Mailbox>, groups: Arc<Groups>) -> std::io::Result<Session> {
+        let reading = Reading { callers: CallerPoll::new()?, on: AtomicBool::new(false), links: Mutex::new(Vec::new()), switch: Mutex::new(()) };
+        Ok(Session::with(rank, size, 0, (0..size).map(|_| None).collect(), Arc::new(reading), groups, mailbox))
+    }
+
+    /// A subgroup of `owner` on its links: `ranks[g]` is the owner rank of group rank `g`.
+    pub fn subgroup(owner: &Session, group: u64, ranks: &[usize], mailbox: Arc<Mailbox>) -> Session {
+        let links = ranks.iter().map(|&r| owner.links[r].clone()).collect();
+        let rank = ranks.iter().position(|&r| r == owner.rank).expect("a subgroup of which this rank is a member");
+        let mut s = Session::with(rank, ranks.len(), group, links, owner.reading.clone(), owner.groups.clone(), mailbox);
+        s.busy_poll = owner.busy_poll;
+        s
+    }
+
+    fn with(rank: usize, size: usize, group: u64, links: Vec<Option<Arc<PeerLink>>>, reading: Arc<Reading>, groups: Arc<Groups>, mailbox: Arc<Mailbox>) -> Session {
+        Session {
             rank,
             size,
-            links: (0..size).map(|_| None).collect(),
-            callers: CallerPoll::new()?,
+            group,
+            links,
+            reading,
+            groups,
             mailbox,
             broken: Mutex::new(None),
-            caller_progress: AtomicBool::new(false),
-            caller_switch: Mutex::new(()),
             busy_poll: Duration::ZERO,
             next_op_id: AtomicU64::new(1),
             p2p_send_next: Mutex::new(HashMap::new()),
-        })
+        }
+    }
+
+    fn owns_links(&self) -> bool {
+        self.group == 0
     }
 
     /// Takes the started link to `peer` into the communicator.
     pub fn attach_link(&mut self, peer: usize, link: Arc<PeerLink>) -> std::io::Result<()> {
         // Kept first, so that a failure below still has the link shut down with the others.
         self.links[peer] = Some(link.clone());
-        link.join_caller_poll(&self.callers)
+        self.reading.links.lock().push(link.clone());
+        link.join_caller_poll(&self.reading.callers)
     }
 
     pub fn link(&self, peer: usize) -> &PeerLink {
@@ -89,8 +123,9 @@ impl Session {
     /// failed) an `Event` with `token` goes to `events`; `owned` (a bundle's payload that `src`
     /// points into) is kept alive until then.
     #[allow(clippy::too_many_arguments)]
-    pub fn send_frame(&self, peer: usize, header: FrameHeader, src: *const u8, len: usize, owned: Option<Vec<u8>>, what: Arc<str>, token: u32, events: Sender<Event>) {
+    pub fn send_frame(&self, peer: usize, mut header: FrameHeader, src: *const u8, len: usize, owned: Option<Vec<u8>>, what: Arc<str>, token: u32, events: Sender<Event>) {
         let addr = self.peer_addr(peer);
+        header.group = self.group;
         self.link(peer).send(SendReq {
             header,
             data: SendBuf { ptr: src, len },
@@ -115,19 +150,20 @@ impl Session {
     /// Small blocking operations: the waiting thread reads the links itself, one thread
     /// wake-up per message instead of two. Anything else: the links' receiver threads read.
     pub fn set_caller_progress(&self, on: bool) {
-        if self.caller_progress.load(Ordering::Acquire) == on {
+        let r = &*self.reading;
+        if r.on.load(Ordering::Acquire) == on {
             return;
         }
-        let _switching = self.caller_switch.lock();
-        if self.caller_progress.swap(on, Ordering::AcqRel) != on {
-            for link in self.links.iter().flatten() {
+        let _switching = r.switch.lock();
+        if r.on.swap(on, Ordering::AcqRel) != on {
+            for link in r.links.lock().iter() {
                 link.set_caller_mode(on);
             }
         }
     }
 
     pub fn caller_progress(&self) -> bool {
-        self.caller_progress.load(Ordering::Acquire)
+        self.reading.on.load(Ordering::Acquire)
     }
 
     /// Reads, on this thread, frames that arrive within `wait` (see `set_caller_progress`).
@@ -136,13 +172,13 @@ impl Session {
         if !spin.is_zero() {
             let until = Instant::now() + spin;
             while Instant::now() < until {
-                if self.callers.progress(Duration::ZERO, frame_deadline) {
+                if self.reading.callers.progress(Duration::ZERO, frame_deadline) {
                     return true;
                 }
                 std::hint::spin_loop();
             }
         }
-        self.callers.progress(wait - spin, frame_deadline)
+        self.reading.callers.progress(wait - spin, frame_deadline)
     }
 
     pub fn op_id(&self) -> u64 {
@@ -178,8 +214,17 @@ impl Session {
             }
             *b = Some(err.clone());
         }
-        tracing::warn!(rank = self.rank, "communicator failed: {err}");
+        tracing::warn!(rank = self.rank, group = self.group, "communicator failed: {err}");
         self.mailbox.fail(&err);
+        if !self.owns_links() {
+            // The links stay up for the owner and the other groups; the peers' copies of this
+            // group fail on the Abort (or time out on their own).
+            if let Some(reason) = reason {
+                self.broadcast_control(FrameKind::Abort, reason.encode(), Duration::from_secs(1));
+            }
+            return err;
+        }
+        self.groups.fail_all(&err);
         // Stop reading first: our receivers return, while the peers still get the reason
         // before they see the connection close (and so blame the right rank).
         for link in self.links.iter().flatten() {
@@ -201,7 +246,7 @@ impl Session {
         let mut sent = 0;
         for link in self.links.iter().flatten() {
             let tx = tx.clone();
-            link.send_urgent(kind, text.clone().into_bytes(), Some(Box::new(move |r| {
+            link.send_urgent(kind, self.group, text.clone().into_bytes(), Some(Box::new(move |r| {
                 let _ = tx.send(r.is_ok());
             })));
             sent += 1;
@@ -224,7 +269,11 @@ impl Session {
             .collect()
     }
 
+    /// Joins the threads of the links (the owner only: a subgroup's links are the owner's).
     pub fn join_links(&self) {
+        if !self.owns_links() {
+            return;
+        }
         for link in self.links.iter().flatten() {
             link.join();
         }
