@@ -120,6 +120,24 @@ class Communicator:
         """"full_mesh", "shared", "partial_mesh" or "single": how the ranks are wired (all agree)."""
         return self._comm.topology()
 
+    def subgroup(self, ranks, name, *, timeout=None, algo=None):
+        """A communicator over `ranks` of this one (their order gives the new ranks), sharing this
+        one's connections: no socket is opened and nothing is sent, so it costs microseconds. Every
+        member calls it with the same `ranks` and `name`; a name serves one subgroup only. It fails
+        if this communicator fails, but its own failures (a timeout, a mismatch) leave this one
+        and the other subgroups working. Close it before this one."""
+        ranks = [check_rank(r, self.world_size, "subgroup", "ranks") for r in ranks]
+        kw = {}
+        if timeout is not None:
+            kw["timeout"] = _timeout(timeout, "subgroup")
+        if algo is not None:
+            kw["algo"] = algo
+        sub = Communicator.__new__(Communicator)
+        sub._store = self._store
+        sub._pending = []
+        sub._comm = self._comm.subgroup(str(name), ranks, **kw)
+        return sub
+
     # -- reductions ----------------------------------------------------------------------------
     def allreduce(self, x, op="sum", *, out=None, factor=None, timeout=None, algo=None, wire=None, async_op=False):
         """`wire` ("bf16", "f16", "int8") compresses f32 data on the wire; every rank still ends

@@ -56,8 +56,8 @@ fn subgroups_and_their_owner_run_at_once_on_shared_links() {
     let results = world(4, |comm, _| {
         let r = comm.rank();
         // Pairs {0,2} and {1,3}, and {3,1,0} whose order gives the new ranks.
-        let pair = comm.subgroup(&format!("pair{}", r % 2), &[r % 2, r % 2 + 2], None).unwrap();
-        let trio = if r == 2 { None } else { Some(comm.subgroup("trio", &[3, 1, 0], None).unwrap()) };
+        let pair = comm.subgroup(&format!("pair{}", r % 2), &[r % 2, r % 2 + 2], None, None).unwrap();
+        let trio = if r == 2 { None } else { Some(comm.subgroup("trio", &[3, 1, 0], None, None).unwrap()) };
         assert_eq!((pair.rank(), pair.size()), (r / 2, 2));
         if let Some(t) = &trio {
             assert_eq!((t.rank(), t.size()), ([2, 1, usize::MAX, 0][r], 3));
@@ -93,7 +93,7 @@ fn a_member_that_sends_before_the_others_created_the_group_is_not_lost() {
             // Frames of the group reach this rank before it exists here.
             std::thread::sleep(Duration::from_millis(300));
         }
-        let g = comm.subgroup("late", &[0, 1, 2], None).unwrap();
+        let g = comm.subgroup("late", &[0, 1, 2], None, None).unwrap();
         let mut v = vec![1.0f32; 10_000];
         allreduce(&g, &mut v, None, false).unwrap();
         let mut msg = [0u8; 5];
@@ -118,8 +118,8 @@ fn a_member_that_sends_before_the_others_created_the_group_is_not_lost() {
 fn a_subgroup_that_times_out_leaves_its_owner_and_the_other_groups_working() {
     let results = world(3, |comm, barrier| {
         let r = comm.rank();
-        let g = comm.subgroup("flaky", &[0, 1, 2], None).unwrap();
-        let other = comm.subgroup("other", &[0, 1, 2], None).unwrap();
+        let g = comm.subgroup("flaky", &[0, 1, 2], None, None).unwrap();
+        let other = comm.subgroup("other", &[0, 1, 2], None, None).unwrap();
         let mut v = vec![1.0f32; 4];
         let started = Instant::now();
         // Rank 2 never joins this call: ranks 0 and 1 time out, naming it.
@@ -148,12 +148,12 @@ fn a_subgroup_that_times_out_leaves_its_owner_and_the_other_groups_working() {
 #[test]
 fn the_owner_failing_fails_its_subgroups_and_a_closed_group_is_refused() {
     let results = world(2, |comm, barrier| {
-        let g = comm.subgroup("child", &[0, 1], None).unwrap();
+        let g = comm.subgroup("child", &[0, 1], None, None).unwrap();
         let mut v = vec![1.0f32; 4];
         allreduce(&g, &mut v, None, true).unwrap();
         g.close();
-        let reuse = comm.subgroup("child", &[0, 1], None).map(|_| ()).unwrap_err().to_string();
-        let g2 = comm.subgroup("child2", &[0, 1], None).unwrap();
+        let reuse = comm.subgroup("child", &[0, 1], None, None).map(|_| ()).unwrap_err().to_string();
+        let g2 = comm.subgroup("child2", &[0, 1], None, None).unwrap();
         barrier.wait();
         if comm.rank() == 0 {
             comm.abort("stopped by the test");
@@ -177,7 +177,7 @@ fn subgroup_arguments_are_checked() {
         let r = comm.rank();
         let other = 1 - r;
         for (ranks, want) in [(vec![other], "not in"), (vec![0, 0, 1], "twice"), (vec![0, 5], "rank")] {
-            let err = comm.subgroup("bad", &ranks, None).map(|_| ()).unwrap_err().to_string();
+            let err = comm.subgroup("bad", &ranks, None, None).map(|_| ()).unwrap_err().to_string();
             assert!(err.contains(want), "{ranks:?}: {err}");
         }
     });

@@ -315,6 +315,17 @@ impl PyComm {
         self.work(r)
     }
 
+    /// A communicator over `ranks` of this one (their order gives the new ranks) on this one's
+    /// links: no socket is opened and nothing is sent. Every member passes the same name and
+    /// ranks; a name serves one subgroup of this communicator only.
+    #[pyo3(signature = (name, ranks, *, timeout=None, algo=None))]
+    fn subgroup(&self, py: Python<'_>, name: String, ranks: Vec<usize>, timeout: Option<f64>, algo: Option<String>) -> PyResult<Self> {
+        let timeout = secs(timeout)?;
+        let comm = self.comm.clone();
+        let sub = py.allow_threads(move || comm.subgroup(&name, &ranks, timeout, algo)).map_err(to_py)?;
+        Ok(PyComm { comm: sub })
+    }
+
     #[pyo3(signature = (reason="abort() called".to_string()))]
     fn abort(&self, py: Python<'_>, reason: String) {
         let comm = self.comm.clone();

@@ -26,7 +26,23 @@ def register():
         from .backend import create
 
         dist.Backend.register_backend(BACKEND_NAME, create, extended_api=True, devices=DEVICES)
+    _skip_torch_flight_recorder_hook()
     _registered = True
+
+
+def _skip_torch_flight_recorder_hook():
+    """torch 2.15 attaches a generic flight-recorder hook to every group of a backend not listed
+    as recording itself. On a plait group it records nothing (plait's c10d methods are Python
+    overrides, which bypass the C++ dispatch the hook sits in) and costs about 18 ms of CPU per
+    group, most of a `new_group`. torch's own comment asks a backend's registrar to put its name
+    in the set when that is the right answer; plait keeps its own record (`plait trace`)."""
+    try:
+        from torch.distributed import distributed_c10d as c10d
+    except Exception:  # pragma: no cover
+        return
+    recording_itself = getattr(c10d, "_FR_SELF_RECORDING_BACKENDS", None)
+    if isinstance(recording_itself, set):
+        recording_itself.add(BACKEND_NAME)
 
 
 def __getattr__(name):

@@ -149,19 +149,45 @@ def _shares_group_with_other_backends(dist_backend_opts):
     return default not in {t.name.lower() for t in ours if t is not None}
 
 
+# Groups that opened their own connections (the default group, normally), newest last: later
+# groups over some of their ranks share those connections.
+_link_owners = []
+
+
+def _link_owner(ranks):
+    """The live group whose connections a new group over global `ranks` can share, if any. Every
+    member finds the same one: they created the same groups before, in the same order."""
+    if not ranks:
+        return None
+    for ref in reversed(_link_owners):
+        g = ref()
+        if g is not None and not g.closed and set(ranks) <= set(g.global_ranks):
+            return g
+    return None
+
+
 def create(dist_backend_opts, backend_options=None):
-    """The creator torch calls (extended API) for each plait group."""
+    """The creator torch calls (extended API) for each plait group. A group over ranks of an
+    existing plait group (new_group, DeviceMesh, FSDP/HSDP meshes) shares its connections: no
+    socket, no probe, no rendezvous beyond torch's own."""
     o = from_pg_options(backend_options).resolved(dist_backend_opts.timeout)
     store = dist_backend_opts.store
     rank, size = dist_backend_opts.group_rank, dist_backend_opts.group_size
     gid = str(getattr(dist_backend_opts, "group_id", "") or "0")
     ranks = list(getattr(dist_backend_opts, "global_ranks_in_group", []) or [])
     epoch = _next_epoch(store, size)
+    owner = None if o.subgroup_links == "own" else _link_owner(ranks)
     try:
-        comm = _core.Comm(store, rank, size, timeout=o.timeout, group=f"torch/{gid}", epoch=epoch, algo=o.algo)
+        if owner is not None:
+            members = [owner.global_ranks.index(r) for r in ranks]
+            comm = owner.comm.subgroup(f"torch/{gid}/{epoch}", members, timeout=o.timeout, algo=o.algo)
+        else:
+            comm = _core.Comm(store, rank, size, timeout=o.timeout, group=f"torch/{gid}", epoch=epoch, algo=o.algo)
     except PlaitError as e:
         raise torch_error(e) from None
     g = Group(comm, o, gid, ranks, store)
+    if owner is None:
+        _link_owners[:] = [r for r in _link_owners if r() is not None and not r().closed] + [weakref.ref(g)]
     per_device = _shares_group_with_other_backends(dist_backend_opts) or os.environ.get("PLAIT_TORCH_CLASS") == "backend"
     if per_device and PlaitBackend is not None:
         return PlaitBackend(g, gid)

@@ -13,6 +13,7 @@ from .. import _core
 from .._core import ConfigError
 
 _INLINE = ("auto", "always", "never")
+_LINKS = ("shared", "own")
 
 
 @dataclasses.dataclass
@@ -33,6 +34,9 @@ class PlaitOptions:
     force_staging  copy CPU tensors through the host staging buffers as CUDA/MPS tensors are (so
                    CI exercises that path). Env PLAIT_TORCH_STAGING=1.
     staging_cache_bytes  host staging memory kept for reuse per group.
+    subgroup_links "shared": a group over ranks of an existing plait group (new_group, DeviceMesh)
+                   uses that group's connections, which makes creating it nearly free; "own": it
+                   opens and probes its own. Env PLAIT_TORCH_SUBGROUP_LINKS.
     """
 
     timeout: object = None
@@ -42,6 +46,7 @@ class PlaitOptions:
     inline_bytes: int = None
     force_staging: bool = None
     staging_cache_bytes: int = None
+    subgroup_links: str = None
 
     def resolved(self, torch_timeout):
         """A copy with every field filled from the environment and defaults; validates."""
@@ -80,6 +85,10 @@ class PlaitOptions:
             o.force_staging = (_core.setting("PLAIT_TORCH_STAGING") or "").strip().lower() in ("1", "true", "yes", "on")
         if o.staging_cache_bytes is None:
             o.staging_cache_bytes = int(_float_env("PLAIT_TORCH_STAGING_CACHE", 256 << 20))
+        if o.subgroup_links is None:
+            o.subgroup_links = _core.setting("PLAIT_TORCH_SUBGROUP_LINKS") or "shared"
+        if o.subgroup_links not in _LINKS:
+            raise ConfigError(f"plait: subgroup_links must be one of {', '.join(_LINKS)}, got {o.subgroup_links!r}")
         return o
 
 

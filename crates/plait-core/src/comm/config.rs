@@ -117,6 +117,12 @@ pub const SETTINGS: &[Setting] = &[
         default: "268435456",
         doc: "torch: host staging memory kept for reuse per group.",
     },
+    Setting {
+        name: "PLAIT_TORCH_SUBGROUP_LINKS",
+        kind: "choice",
+        default: "shared",
+        doc: "torch: shared: a group over ranks of an existing plait group (new_group, DeviceMesh) uses its connections (nearly free to create); own: it opens and probes its own.",
+    },
 ];
 
 #[derive(Clone, Debug)]

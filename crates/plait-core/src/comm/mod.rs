@@ -89,8 +89,8 @@ impl Communicator {
     /// it in microseconds. Every member must pass the same `name` and `ranks`; the name must not
     /// have been used for another subgroup of this communicator. It fails when this one fails
     /// (a link down, an abort), but its own failures (a timeout, a mismatch) leave this one and
-    /// the other subgroups working.
-    pub fn subgroup(self: &Arc<Self>, name: &str, ranks: &[usize], timeout: Option<Duration>) -> Result<Arc<Communicator>> {
+    /// the other subgroups working. `timeout` and `algo` default to this one's.
+    pub fn subgroup(self: &Arc<Self>, name: &str, ranks: &[usize], timeout: Option<Duration>, algo: Option<String>) -> Result<Arc<Communicator>> {
         self.usable()?;
         if let Some(owner) = &self.owner {
             // A subgroup of a subgroup: a subgroup of the links' owner, with the ranks translated.
@@ -100,7 +100,7 @@ impl Communicator {
                 in_owner.push(owner.ranks[r]);
             }
             let name = format!("{}/{name}", self.cfg.group.strip_prefix(&format!("{}/", owner.comm.cfg.group)).unwrap_or(&self.cfg.group));
-            return owner.comm.subgroup(&name, &in_owner, timeout);
+            return owner.comm.subgroup(&name, &in_owner, timeout, algo);
         }
         let mut seen = vec![false; self.cfg.size];
         for &r in ranks {
@@ -117,6 +117,7 @@ impl Communicator {
             size: ranks.len(),
             group: format!("{}/{name}", self.cfg.group),
             timeout: timeout.unwrap_or(self.cfg.timeout),
+            algo: algo.or_else(|| self.cfg.algo.clone()),
             ..self.cfg.clone()
         };
         let id = group_id(&cfg.group);
