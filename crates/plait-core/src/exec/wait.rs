@@ -12,7 +12,17 @@ use std::time::{Duration, Instant};
 pub(super) fn next_event(session: &Session, rx: &Receiver<Event>, until: Instant, frame_deadline: Instant) -> std::result::Result<Event, RecvTimeoutError> {
     loop {
         if !session.caller_progress() {
-            return rx.recv_deadline(until);
+            // Another operation (of this group or another on the same links) may switch the links
+            // to caller reading meanwhile: then nobody reads for this one unless it does.
+            let watch = session.watch_switch();
+            if !session.caller_progress() {
+                crossbeam_channel::select! {
+                    recv(rx) -> ev => return ev.map_err(|_| RecvTimeoutError::Disconnected),
+                    recv(watch.switched) -> _ => continue,
+                    default(until.saturating_duration_since(Instant::now())) => return Err(RecvTimeoutError::Timeout),
+                }
+            }
+            continue;
         }
         match rx.try_recv() {
             Ok(ev) => return Ok(ev),

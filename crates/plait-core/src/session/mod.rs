@@ -69,12 +69,36 @@ struct Reading {
     /// Held while the links are switched, so two threads switching at once cannot leave the
     /// links disagreeing with `on`.
     switch: Mutex<()>,
+    /// Threads waiting on their links' receiver threads, told when those stop reading.
+    watchers: Mutex<Vec<(u64, Sender<()>)>>,
+    next_watcher: AtomicU64,
+}
+
+/// Told when the links' receiver threads stop reading (callers read them from then on), so a
+/// thread waiting on their reports starts reading itself at once. Removed when dropped.
+pub(crate) struct SwitchWatch<'a> {
+    reading: &'a Reading,
+    id: u64,
+    pub switched: crossbeam_channel::Receiver<()>,
+}
+
+impl Drop for SwitchWatch<'_> {
+    fn drop(&mut self) {
+        self.reading.watchers.lock().retain(|(id, _)| *id != self.id);
+    }
 }
 
 impl Session {
     /// The session that owns the links (attached with `attach_link`).
     pub fn new(rank: usize, size: usize, mailbox: Arc<Mailbox>, groups: Arc<Groups>) -> std::io::Result<Session> {
-        let reading = Reading { callers: CallerPoll::new()?, on: AtomicBool::new(false), links: Mutex::new(Vec::new()), switch: Mutex::new(()) };
+        let reading = Reading {
+            callers: CallerPoll::new()?,
+            on: AtomicBool::new(false),
+            links: Mutex::new(Vec::new()),
+            switch: Mutex::new(()),
+            watchers: Mutex::new(Vec::new()),
+            next_watcher: AtomicU64::new(0),
+        };
         Ok(Session::with(rank, size, 0, (0..size).map(|_| None).collect(), Arc::new(reading), groups, mailbox))
     }
 
@@ -159,7 +183,21 @@ impl Session {
             for link in r.links.lock().iter() {
                 link.set_caller_mode(on);
             }
+            if on {
+                for (_, w) in r.watchers.lock().iter() {
+                    let _ = w.try_send(());
+                }
+            }
         }
+    }
+
+    /// Starts watching for the switch to caller reading (see `SwitchWatch`). Check
+    /// `caller_progress` again after this: a switch just before it is not reported.
+    pub fn watch_switch(&self) -> SwitchWatch<'_> {
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        let id = self.reading.next_watcher.fetch_add(1, Ordering::Relaxed);
+        self.reading.watchers.lock().push((id, tx));
+        SwitchWatch { reading: &self.reading, id, switched: rx }
     }
 
     pub fn caller_progress(&self) -> bool {
