@@ -455,6 +455,44 @@ def collectives_matrix(group, members, c, label, light=False):
     c.run(f"misc {label}", misc)
 
 
+def _open_sockets():
+    """Sockets this process holds (Linux; None elsewhere)."""
+    if not os.path.isdir("/proc/self/fd"):
+        return None
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            n += os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
+        except OSError:  # the listing's own descriptor, closed by now
+            pass
+    return n
+
+
+def subgroups_share_the_worlds_connections(c, world):
+    """new_group opens no socket (it shares the world's links), a group asked for its own links
+    opens some, all of them compute, and destroying one leaves the others working."""
+    before = _open_sockets()
+    shared = [dist.new_group(world) for _ in range(3)] + [dist.new_group(world[:2])]
+    if before is not None:
+        c.true("new_group opens no socket", _open_sockets() == before, f"{before} -> {_open_sockets()}")
+    own = dist.new_group(world, pg_options={"subgroup_links": "own"})
+    if before is not None:
+        c.true("a group with its own links opens sockets", _open_sockets() > before, f"{before} -> {_open_sockets()}")
+    for i, g in enumerate(shared + [own]):
+        members = world[:2] if i == 3 else world
+        if RANK in members:
+            t = torch.full((5,), float(RANK + i))
+            dist.all_reduce(t, group=g)
+            c.close(f"all_reduce on shared-link group {i}", t, torch.full((5,), float(sum(members) + i * len(members))))
+    dist.destroy_process_group(shared[0])
+    dist.destroy_process_group(own)
+    t = torch.ones(3)
+    dist.all_reduce(t, group=shared[1])
+    c.close("a group still works after another was destroyed", t, torch.full((3,), float(WORLD)))
+    dist.all_reduce(t)
+    c.close("the world still works after a subgroup was destroyed", t, torch.full((3,), float(WORLD * WORLD)))
+
+
 def scenario_collectives(args):
     dist.init_process_group("plait", timeout=datetime.timedelta(seconds=60))
     c = Checker()
@@ -474,6 +512,7 @@ def scenario_collectives(args):
         sub2 = [2, 0]
         g_sub2 = dist.new_group(sub2)
         collectives_matrix(g_sub2, sorted(sub2), c, "subgroup [0,2]", light=True)
+    subgroups_share_the_worlds_connections(c, world)
     # wire dtype: float32 sums travel as bf16
     g_wire = dist.new_group(world, pg_options=PlaitOptions(wire_dtype="bf16"))
     t = torch.full((1000,), 1.0 + RANK)
