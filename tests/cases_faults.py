@@ -74,6 +74,11 @@ def stop(ctx):
 def _peer_fault(ctx, count, what):
     a = ctx.args
     comm = ctx.new_comm(timeout=a["timeout"])
+    if a.get("subgroup"):
+        # On a subgroup sharing the world's links, its ranks reversed: the dead link fails the
+        # world, and through it the subgroup, whose error names the world's rank of the victim.
+        world, comm = comm, comm.subgroup(list(reversed(range(ctx.n))), "reversed")
+        what += " (on a subgroup)"
     x = np.full(count, ctx.rank + 1, np.float32)
     out = np.empty_like(x)
     comm.allreduce(x, out=out)

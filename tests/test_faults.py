@@ -34,13 +34,15 @@ def _kill_or_stop(sig, victim, marks):
 # 2**24 floats: 64 MiB, read by the links' receiver threads; 256 floats: 1 KiB, read by the
 # calling thread (caller progress), whose parked receiver threads must not hide the death.
 # PLAIT_STREAMS=3: a death seen on three connections per peer is still one error naming it.
-@pytest.mark.parametrize("n,victim,count,streams", [(3, 1, 2**24, 1), (4, 0, 2**24, 1), (3, 2, 256, 1),
-                                                    (3, 0, 2**24, 3)])
-def test_sigkill_during_allreduce(n, victim, count, streams):
+@pytest.mark.parametrize("n,victim,count,streams,subgroup", [(3, 1, 2**24, 1, False), (4, 0, 2**24, 1, False),
+                                                             (3, 2, 256, 1, False), (3, 0, 2**24, 3, False),
+                                                             (3, 0, 2**24, 1, True), (3, 2, 256, 1, True)])
+def test_sigkill_during_allreduce(n, victim, count, streams, subgroup):
     deadline = 10.0
     marks = {}
     res = harness.run_world("cases_faults", n,
-                            args={"scenario": "kill", "victim": victim, "timeout": deadline, "count": count},
+                            args={"scenario": "kill", "victim": victim, "timeout": deadline, "count": count,
+                                  "subgroup": subgroup},
                             env={"PLAIT_STREAMS": str(streams)},
                             control=_kill_or_stop(signal.SIGKILL, victim, marks), timeout=180)
     survivors = [r for r in range(n) if r != victim]
