@@ -44,6 +44,7 @@ def main():
     torch.manual_seed(0)
     model = TinyNet(hidden=a.hidden).to(dtype)
     ref = None
+    ropt = None
     if a.check:
         import copy
 
