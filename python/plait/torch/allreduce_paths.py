@@ -12,7 +12,7 @@ from . import staging as stg
 from .arguments import OPS, reduce_op
 from .engine import Op, profiling
 from .staging import invalid
-from .work import completed_work, seconds, torch_error
+from .work import completed_work, torch_error
 
 # What the small-allreduce path handles; anything else takes the general path.
 _SMALL_DTYPES = {dt: name for dt, name in stg.CORE_DTYPE.items() if name != "bool"}
@@ -45,7 +45,7 @@ def small_allreduce(g, t, opts):
         wire = None
     p = t.data_ptr() if nbytes else 0
     try:
-        w = g.comm.collective("allreduce", p, nbytes, p, nbytes, dt, op, timeout=seconds(opts.timeout), inline=True, wire=wire)
+        w = g.comm.collective("allreduce", p, nbytes, p, nbytes, dt, op, timeout=g.op_timeout(opts.timeout), inline=True, wire=wire)
     except PlaitError as e:
         raise torch_error(e, g.context()) from None
     return g.work([w], [t], None, "all_reduce", (t,))
@@ -58,7 +58,7 @@ def sparse_allreduce(g, t, opts):
     op, _ = reduce_op(opts.reduceOp)
     if op != "sum":
         raise invalid(f"all_reduce: sparse tensors support SUM only, got {op}")
-    timeout = seconds(opts.timeout)
+    timeout = g.op_timeout(opts.timeout)
 
     def gather(send, recv, dtype, counts=None):
         try:

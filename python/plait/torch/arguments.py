@@ -24,30 +24,53 @@ if hasattr(_R, "PREMUL_SUM"):
     OPS[_R.PREMUL_SUM] = "premul_sum"
 
 
-class AllgatherOptions:
-    """Stand-in for torch's AllgatherOptions (not exported by torch.distributed)."""
+AllgatherOptions = getattr(dist, "AllgatherOptions", None) or getattr(torch._C._distributed_c10d, "AllgatherOptions", None)
+if AllgatherOptions is None:  # pragma: no cover - very old torch
 
-    timeout = datetime.timedelta(milliseconds=-1)
-    asyncOp = True
+    class AllgatherOptions:
+        """Stand-in for torch's AllgatherOptions."""
+
+        timeout = datetime.timedelta(milliseconds=-1)
+        asyncOp = True
 
 
-def options(opts, cls, rest, *fields):
-    """The options object of a call, whether it came as torch's Options or as the positional
-    convenience overload (`allreduce(tensor, op, timeout)` ...)."""
-    if opts is None or not hasattr(opts, "timeout"):
-        o = cls()
-        args = ([opts] if opts is not None else []) + list(rest)
-        for name, val in zip(fields + ("timeout",), args):
-            if val is None:
-                continue
-            if name == "timeout":
-                o.timeout = val
-            elif name == "reduceOp" and not isinstance(val, dist.ReduceOp):
-                o.reduceOp = dist.ReduceOp(val)
-            else:
-                setattr(o, name, val)
-        return o
-    return opts
+# The convenience overloads' parameters (`allreduce(tensor, op=..., timeout=...)`,
+# `broadcast(tensor, root, timeout=None)`...) and the options field each one sets.
+_FIELDS = {"root": "rootRank", "op": "reduceOp", "timeout": "timeout"}
+
+
+def options(opts, cls, rest, kw, what, *fields):
+    """The options object of a call, however c10d's Python API let the caller write it: torch's
+    Options (positional or `opts=`), or the convenience overload's arguments after the tensors,
+    positional or by keyword (`fields`: their names in order, before `timeout`), as gloo takes
+    them: `pg.broadcast(t, root=0)`, `pg.allreduce(t, op=ReduceOp.MAX)`, `pg.barrier(timeout)`."""
+    if "opts" in kw:
+        if opts is not None:
+            raise TypeError(f"{what}() got multiple values for argument 'opts'")
+        opts = kw.pop("opts")
+    if opts is not None and hasattr(opts, "timeout") and not isinstance(opts, datetime.timedelta):
+        if rest or kw:
+            raise TypeError(f"{what}() takes an options object or the separate arguments {', '.join(fields + ('timeout',))}, not both")
+        return opts
+    names = fields + ("timeout",)
+    args = ([opts] if opts is not None else []) + list(rest)
+    if len(args) > len(names):
+        raise TypeError(f"{what}() takes at most {len(names)} arguments after the tensors ({', '.join(names)}), got {len(args)}")
+    given = dict(zip(names, args))
+    for name, val in kw.items():
+        if name not in names:
+            raise TypeError(f"{what}() got an unexpected keyword argument {name!r}")
+        if name in given:
+            raise TypeError(f"{what}() got multiple values for argument {name!r}")
+        given[name] = val
+    o = cls()
+    for name, val in given.items():
+        if val is None:
+            continue
+        if name == "op" and not isinstance(val, dist.ReduceOp):
+            val = dist.ReduceOp(val)
+        setattr(o, _FIELDS[name], val)
+    return o
 
 
 def reduce_op(op):
@@ -156,3 +179,47 @@ def split_counts(splits, t, n, dt, what):
     if sum(splits) != rows or any(s < 0 for s in splits):
         raise invalid(f"all_to_all_single: {what} split sizes {splits} do not add up to its first dimension {rows}")
     return [int(s) * per_row for s in splits]
+
+
+def same_shape(ts, what):
+    """The tensors of gloo's several-per-process forms: one dtype, device and shape."""
+    for t in ts:
+        stg.check_tensor(t, what)
+    ref = ts[0]
+    same_kind(ts, ref, what)
+    for t in ts:
+        if t.shape != ref.shape:
+            raise invalid(f"{what}: the tensors of one call must have one shape, got {tuple(ref.shape)} and {tuple(t.shape)}")
+
+
+def root_tensor(opts, count, what):
+    """The index of the root's tensor (`opts.rootTensor`) among `count` tensors per process."""
+    k = getattr(opts, "rootTensor", 0)
+    if not isinstance(k, int) or not 0 <= k < count:
+        raise invalid(f"{what}: rootTensor {k} is out of range for {count} tensor(s) per process")
+    return k
+
+
+_LOCAL = {
+    "sum": lambda a, b: a.add_(b),
+    "avg": lambda a, b: a.add_(b),
+    "premul_sum": lambda a, b: a.add_(b),
+    "prod": lambda a, b: a.mul_(b),
+    "min": lambda a, b: torch.minimum(a, b, out=a),
+    "max": lambda a, b: torch.maximum(a, b, out=a),
+    "band": lambda a, b: a.bitwise_and_(b),
+    "bor": lambda a, b: a.bitwise_or_(b),
+    "bxor": lambda a, b: a.bitwise_xor_(b),
+}
+
+
+def reduce_locally(ts, op):
+    """A new tensor holding the reduction of `ts` (one shape) with `op`, such that reducing it
+    across the ranks with `op` gives the reduction of every rank's tensors: `avg` takes the mean
+    here (every rank has as many tensors); `premul_sum` sums here, the factor applies once."""
+    acc = ts[0].detach().clone(memory_format=torch.contiguous_format)
+    for t in ts[1:]:
+        _LOCAL[op](acc, t.detach())
+    if op == "avg":
+        acc.div_(len(ts))
+    return acc

@@ -8,6 +8,7 @@ Both take their c10d methods from `methods.Methods`.
 """
 
 import atexit
+import datetime
 import os
 import weakref
 
@@ -19,14 +20,17 @@ from .._core import PlaitError
 from .engine import Group, close_all
 from .methods import Methods
 from .options import from_pg_options
-from .work import torch_error
+from .work import PlaitWork, torch_error
 
 
 class PlaitProcessGroup(Methods, dist.ProcessGroup):
     """A torch ProcessGroup backed by plait."""
 
-    def __init__(self, group, name="", desc="undefined"):
-        dist.ProcessGroup.__init__(self, group.rank, group.size)
+    def __init__(self, group, name="", desc="undefined", store=None):
+        if store is not None:  # what get_group_store() answers (split_group registers it)
+            dist.ProcessGroup.__init__(self, store, group.rank, group.size)
+        else:
+            dist.ProcessGroup.__init__(self, group.rank, group.size)
         self._g = group
         group.owner = weakref.ref(self)
         self._pl_name = name
@@ -56,6 +60,16 @@ class PlaitProcessGroup(Methods, dist.ProcessGroup):
 
     def get_backend(self, device=None):
         return self._get_backend(device)
+
+    def split_group(self, ranks, timeout=None, opts=None, group_name=None, group_desc=None, device_types=None):
+        """`dist.split_group`: a group over `ranks` (ranks of this group, in the new group's
+        order) on this group's connections; None on a rank outside it. Every rank of this group
+        calls it (torch's split_group does)."""
+        ranks = [int(r) for r in ranks]
+        if self._g.rank not in ranks:
+            return None
+        g, store = split(self._g, ranks, timeout, opts, group_name)
+        return PlaitProcessGroup(g, group_name or g.group_id, group_desc or "undefined", store=store)
 
     def _pl_backend_view(self):
         if self._pl_backend is None and PlaitBackend is not None:
@@ -97,10 +111,15 @@ if _BackendBase is not None:
         def name(self):
             return "plait"
 
+        @property
+        def options(self):
+            """torch's Backend.Options of this group (its name and current default timeout)."""
+            return _BackendBase.Options("plait", datetime.timedelta(seconds=self._g.timeout))
+
         # Capability queries: answered in Python (the C++ properties would look for a Python
         # override of the same name and recurse).
         supports_coalescing = property(lambda self: False)
-        supports_splitting = property(lambda self: False)
+        supports_splitting = property(lambda self: True)
         supports_shrinking = property(lambda self: False)
         supports_reconfigure = property(lambda self: False)
         supports_window = property(lambda self: False)
@@ -193,5 +212,43 @@ def create(dist_backend_opts, backend_options=None):
         return PlaitBackend(g, gid)
     return PlaitProcessGroup(g, gid)
 
+
+def split(parent, ranks, timeout, pg_options, name):
+    """The engine of a group split from `parent` (an engine.Group) over its ranks `ranks`, on
+    the parent's connections, and its store (a prefix of the parent's)."""
+    o = from_pg_options(pg_options).resolved(timeout)
+    name = name or f"{parent.group_id}/split{ranks}"
+    store = parent.store
+    if store is not None:
+        store = dist.PrefixStore(f"plait/split/{name}/", store)
+    try:
+        comm = parent.comm.subgroup(f"split/{name}", ranks, timeout=o.timeout, algo=o.algo)
+    except PlaitError as e:
+        raise torch_error(e, parent.context()) from None
+    return Group(comm, o, name, [parent.global_ranks[r] for r in ranks], store), store
+
+
+def hide_from_dynamo(*classes):
+    """torch.compile must not trace into plait's c10d methods: C++ calls them inside a compiled
+    region (DDP's reducer rebuilding its buckets calls broadcast while dynamo traces forward),
+    where touching torch's options objects is a hard error. gloo's methods are C++ and opaque
+    to dynamo; these are made so by telling dynamo's frame evaluator to run them, and whatever
+    they call, as they are. torch._C's evaluator is asked directly: importing torch._dynamo
+    would cost seconds. Without that API (another torch), nothing is changed."""
+    try:
+        from torch._C._dynamo import eval_frame as ef
+
+        skip = ef._FrameExecStrategy(ef._FrameAction.SKIP, ef._FrameAction.SKIP)
+        for cls in classes:
+            for v in vars(cls).values():
+                fn = v.fget if isinstance(v, property) else v
+                code = getattr(fn, "__code__", None)
+                if code is not None:
+                    ef.set_code_exec_strategy(code, skip)
+    except Exception:  # pragma: no cover - a torch without this evaluator API
+        pass
+
+
+hide_from_dynamo(Methods, PlaitProcessGroup, PlaitWork, *([PlaitBackend] if PlaitBackend is not None else []))
 
 atexit.register(close_all)

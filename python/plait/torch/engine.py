@@ -68,12 +68,24 @@ class Group:
         self.closed = False
         self.mb_seq = 0  # monitored barriers so far (their store keys)
         self.coalescing = None  # works issued between startCoalescing and endCoalescing
+        self.default_timeout = None  # seconds, once set_timeout() changed the group's default
         self.owner = None  # weakref to the torch-facing object (for profiler labels)
         # float32 allreduce goes through the core's codec (each contribution encoded once, results
         # bit-identical on every rank); other float reductions are cast to `wire` here (no int8).
         self.wire_name = opts.wire_dtype
         self.wire = stg.WIRE_DTYPE.get(opts.wire_dtype)
         _GROUPS.add(self)
+
+    def op_timeout(self, timeout):
+        """The deadline (seconds, or None for the core's default) of an op whose options say
+        `timeout` (torch's "unset" is negative): the op's own, else the group's current default."""
+        t = seconds(timeout)
+        return t if t is not None else self.default_timeout
+
+    @property
+    def timeout(self):
+        """The group's current default deadline in seconds."""
+        return self.default_timeout if self.default_timeout is not None else self.comm.timeout
 
     def check_open(self, name):
         """Raises (in torch's form) once the group has been shut down; `name`: its c10d name."""
@@ -177,7 +189,7 @@ def issue(g, name, what, opts, outputs, inputs, plan):
     try:
         ops = plan(st)
         inline = g.runs_inline(opts, ops)
-        timeout = seconds(getattr(opts, "timeout", None))
+        timeout = g.op_timeout(getattr(opts, "timeout", None))
         for op in ops:
             parts.append(g.start(op, timeout, inline))
     except PlaitError as e:

@@ -8,11 +8,11 @@ import torch.distributed as dist
 from . import staging as stg
 from .allreduce_paths import small_allreduce, sparse_allreduce
 from .arguments import (AllgatherOptions, blocks_of, group_rank, one_per_rank, one_tensor, options, peer_rank,
-                        reduce_op, root_list, same_kind, split_counts)
+                        reduce_locally, reduce_op, root_list, root_tensor, same_kind, same_shape, split_counts)
 from .engine import Op, issue
 from .monitored_barrier import monitored_barrier
 from .staging import invalid
-from .work import PlaitWork, Sub
+from .work import PlaitWork, Sub, seconds
 
 _AllreduceCoalescedOptions = getattr(dist, "AllreduceCoalescedOptions", dist.AllreduceOptions)
 
@@ -73,74 +73,116 @@ class Methods:
     def abort(self):
         self._g.shutdown(abort_reason="abort() called on the process group")
 
+    def set_timeout(self, timeout):
+        """The group's default deadline for every later operation (`dist.set_timeout`); an op's
+        own `timeout=` still wins."""
+        t = seconds(timeout)
+        if t is None:
+            raise invalid(f"set_timeout: the timeout must be positive, got {timeout}")
+        self._g.default_timeout = t
+
+    _set_default_timeout = set_timeout
+
     def _issue(self, what, opts, outputs, inputs, plan):
         return issue(self._g, self._pl_name, what, opts, outputs, inputs, plan)
 
     # -- allreduce -----------------------------------------------------------------------------
 
-    def allreduce(self, tensors, opts=None, *rest):
-        if not rest and type(tensors) is list and len(tensors) == 1:
+    def allreduce(self, tensors, opts=None, *rest, **kw):
+        if not rest and not kw and type(tensors) is list and len(tensors) == 1:
             w = small_allreduce(self._g, tensors[0], opts)
             if w is not None:
                 return w
-        opts = options(opts, dist.AllreduceOptions, rest, "reduceOp")
+        opts = options(opts, dist.AllreduceOptions, rest, kw, "allreduce", "op")
         if isinstance(tensors, (list, tuple)) and len(tensors) == 1 and getattr(tensors[0], "layout", None) == torch.sparse_coo:
             self._g.check_open(self._pl_name)
             return sparse_allreduce(self._g, tensors[0], opts)
+        if isinstance(tensors, (list, tuple)) and len(tensors) > 1:
+            return self._allreduce_across(list(tensors), opts)
         return self._allreduce([one_tensor(tensors, "all_reduce")], opts, "all_reduce")
 
+    def _allreduce_across(self, ts, opts):
+        """gloo's older form with several tensors per process: every tensor receives the
+        reduction of all of them on every rank. They are reduced here first, into one tensor
+        that takes the collective; its result is copied into each."""
+        what = "all_reduce"
+        same_shape(ts, what)
+        op, factor = reduce_op(opts.reduceOp)
+        with torch.no_grad():
+            acc = reduce_locally(ts, op)
+
+        def plan(st):
+            ops = self._allreduce_plan(st, [acc], op, factor, what)
+            for t in ts:
+                st.copy_back(t, acc)
+            return ops
+
+        return self._issue(what, opts, ts, ts, plan)
+
     def allreduce_coalesced(self, tensors, opts=None):
-        opts = options(opts, _AllreduceCoalescedOptions, (), "reduceOp")
+        opts = options(opts, _AllreduceCoalescedOptions, (), {}, "allreduce_coalesced", "op")
         return self._allreduce([stg.check_tensor(t, "all_reduce_coalesced") for t in tensors], opts, "all_reduce_coalesced")
 
     def _allreduce(self, ts, opts, what):
-        g = self._g
         op, factor = reduce_op(opts.reduceOp)
+        return self._issue(what, opts, list(ts), ts, lambda st: self._allreduce_plan(st, ts, op, factor, what))
 
-        def plan(st):
-            by_kind = {}  # one core call per (dtype, device), in first-appearance order (the same on every rank)
-            for t in ts:
-                v = stg.real_view(t, op, what)
-                by_kind.setdefault((v.dtype, v.device.type), []).append(v)
-            ops = []
-            for (dtype, _device), vs in by_kind.items():
-                core_wire = None
-                if dtype == torch.float32:
-                    # The group's choice is explicit, so the core's PLAIT_WIRE_DTYPE default never applies.
-                    compress = g.wire_name is not None and op in ("sum", "avg", "premul_sum")
-                    core_wire = g.wire_name if compress else "native"
-                wire = g.wire_for(dtype, op) if dtype == torch.float64 else None
-                if wire is not None:
-                    h, dt = st.converted(vs, wire, read=True, write=True), stg.CORE_DTYPE[wire]
-                else:
-                    dt = stg.reduce_dtype(vs[0], op, what)
-                    h = st.host(vs[0], read=True, write=True) if len(vs) == 1 else st.flat(vs, read=True, write=True)
-                ops.append(Op("allreduce", h, h, dt, op=op, factor=factor, wire=core_wire))
-            return ops
-
-        return self._issue(what, opts, list(ts), ts, plan)
+    def _allreduce_plan(self, st, ts, op, factor, what):
+        """The core allreduces of `ts` (one per dtype and device, each over their host form)."""
+        g = self._g
+        by_kind = {}  # one core call per (dtype, device), in first-appearance order (the same on every rank)
+        for t in ts:
+            v = stg.real_view(t, op, what)
+            by_kind.setdefault((v.dtype, v.device.type), []).append(v)
+        ops = []
+        for (dtype, _device), vs in by_kind.items():
+            core_wire = None
+            if dtype == torch.float32:
+                # The group's choice is explicit, so the core's PLAIT_WIRE_DTYPE default never applies.
+                compress = g.wire_name is not None and op in ("sum", "avg", "premul_sum")
+                core_wire = g.wire_name if compress else "native"
+            wire = g.wire_for(dtype, op) if dtype == torch.float64 else None
+            if wire is not None:
+                h, dt = st.converted(vs, wire, read=True, write=True), stg.CORE_DTYPE[wire]
+            else:
+                dt = stg.reduce_dtype(vs[0], op, what)
+                h = st.host(vs[0], read=True, write=True) if len(vs) == 1 else st.flat(vs, read=True, write=True)
+            ops.append(Op("allreduce", h, h, dt, op=op, factor=factor, wire=core_wire))
+        return ops
 
     # -- broadcast / reduce --------------------------------------------------------------------
 
-    def broadcast(self, tensors, opts=None, *rest):
-        opts = options(opts, dist.BroadcastOptions, rest, "rootRank")
-        t = one_tensor(tensors, "broadcast")
-        root = group_rank(self._g, opts.rootRank, "broadcast")
-        if getattr(opts, "rootTensor", 0) != 0:
-            raise invalid("broadcast: rootTensor must be 0 (one tensor per process)")
+    def broadcast(self, tensors, opts=None, *rest, **kw):
+        """One tensor per process, or (gloo's older form) several: the root's tensor
+        `opts.rootTensor` then goes into every tensor of every rank."""
+        opts = options(opts, dist.BroadcastOptions, rest, kw, "broadcast", "root")
+        what = "broadcast"
+        ts = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+        for t in ts:
+            stg.check_tensor(t, what)
+        if not ts:
+            raise invalid(f"{what}: expected at least one tensor")
+        same_shape(ts, what)
+        root = group_rank(self._g, opts.rootRank, what)
+        k = root_tensor(opts, len(ts), what)
         is_root = self._g.rank == root
+        t = ts[k]
 
         def plan(st):
-            v = stg.real_view(t, None, "broadcast")
+            v = stg.real_view(t, None, what)
             h = st.host(v, read=is_root, write=not is_root)
+            for other in ts:
+                if other is not t:
+                    st.copy_back(other, t)
             return [Op("broadcast", h if is_root else None, h, stg.move_dtype(v.dtype), root=root)]
 
-        return self._issue("broadcast", opts, [t], (t,), plan)
+        return self._issue(what, opts, ts, ts, plan)
 
-    def reduce(self, tensors, opts=None, *rest):
-        opts = options(opts, dist.ReduceOptions, rest, "rootRank", "reduceOp")
+    def reduce(self, tensors, opts=None, *rest, **kw):
+        opts = options(opts, dist.ReduceOptions, rest, kw, "reduce", "root", "op")
         t = one_tensor(tensors, "reduce")
         root = group_rank(self._g, opts.rootRank, "reduce")
+        root_tensor(opts, 1, "reduce")
         op, factor = reduce_op(opts.reduceOp)
 
         def plan(st):
@@ -154,30 +196,51 @@ class Methods:
 
     # -- allgather -----------------------------------------------------------------------------
 
-    def allgather(self, output_tensors, input_tensors, opts=None, *rest):
-        opts = options(opts, AllgatherOptions, rest)
+    def allgather(self, output_tensors, input_tensors, opts=None, *rest, **kw):
+        """One input per process and a list of one output per rank; or (gloo's older form) T
+        inputs and T output lists of T x group-size tensors, each list receiving every rank's
+        inputs in rank order."""
+        opts = options(opts, AllgatherOptions, rest, kw, "allgather")
         g, what = self._g, "all_gather"
         if isinstance(input_tensors, torch.Tensor):  # the (list, tensor) overload
-            outs, inp = list(output_tensors), input_tensors
+            ins, lists = [input_tensors], [list(output_tensors)]
         else:
-            inp = one_tensor(input_tensors, what)
-            if len(output_tensors) != 1:
-                raise invalid(f"{what}: expected one output list per process, got {len(output_tensors)}")
-            outs = list(output_tensors[0])
+            ins, lists = list(input_tensors), [list(x) for x in output_tensors]
+            if not ins:
+                raise invalid(f"{what}: expected at least one input tensor")
+            if len(lists) != len(ins):
+                raise invalid(f"{what}: expected one output list per input tensor ({len(ins)}), got {len(lists)}")
+        outs = lists[0]
 
         def plan(st):
-            stg.check_tensor(inp, what)
-            one_per_rank(g, outs, inp, what, "output tensor", "input")
-            vin = stg.real_view(inp, None, what)
+            for t in ins:
+                stg.check_tensor(t, what)
+            if len(ins) == 1:
+                one_per_rank(g, outs, ins[0], what, "output tensor", "input")
+            else:
+                same_shape(ins, what)
+                for i, lst in enumerate(lists):
+                    if len(lst) != g.size * len(ins):
+                        raise invalid(f"{what}: output list {i} has {len(lst)} tensors, expected {g.size * len(ins)} "
+                                      f"(the group size times the {len(ins)} inputs)")
+                    same_kind(lst, ins[0], what)
+                    same_shape([ins[0]] + lst, what)
+            vins = [stg.real_view(t, None, what) for t in ins]
             vouts = [stg.real_view(o, None, what) for o in outs]
-            dt = stg.move_dtype(vin.dtype)
-            return [Op("allgather", st.host(vin, read=True, write=False), st.flat(vouts, read=False, write=True), dt,
-                       recv_counts=[stg.elems(o, dt) for o in vouts])]
+            dt = stg.move_dtype(vins[0].dtype)
+            per_rank = len(ins)
+            counts = [sum(stg.elems(o, dt) for o in vouts[r * per_rank:(r + 1) * per_rank]) for r in range(g.size)]
+            send = st.host(vins[0], read=True, write=False) if per_rank == 1 else st.flat(vins, read=True, write=False)
+            op = Op("allgather", send, st.flat(vouts, read=False, write=True), dt, recv_counts=counts)
+            for lst in lists[1:]:
+                for dst, src in zip(lst, outs):
+                    st.copy_back(dst, src)
+            return [op]
 
-        return self._issue(what, opts, outs, (inp,), plan)
+        return self._issue(what, opts, [t for lst in lists for t in lst], ins, plan)
 
     def _allgather_tensors(self, outputs, inputs, opts, what):
-        opts = options(opts, AllgatherOptions, ())
+        opts = options(opts, AllgatherOptions, (), {}, what)
         g = self._g
 
         def plan(st):
@@ -197,7 +260,7 @@ class Methods:
     def allgather_coalesced(self, output_lists, input_list, opts=None):
         """output_lists[r][i] receives rank r's input_list[i]: one allgather of the inputs laid
         end to end."""
-        opts = options(opts, AllgatherOptions, ())
+        opts = options(opts, AllgatherOptions, (), {}, "allgather_coalesced")
         g, what = self._g, "all_gather_coalesced"
         ins = list(input_list)
         outs = [list(x) for x in output_lists]
@@ -225,11 +288,11 @@ class Methods:
 
     # -- gather / scatter ----------------------------------------------------------------------
 
-    def gather(self, output_tensors, input_tensors, opts=None, *rest):
-        return self._rooted("gather", output_tensors, input_tensors, options(opts, dist.GatherOptions, rest, "rootRank"))
+    def gather(self, output_tensors, input_tensors, opts=None, *rest, **kw):
+        return self._rooted("gather", output_tensors, input_tensors, options(opts, dist.GatherOptions, rest, kw, "gather", "root"))
 
-    def scatter(self, output_tensors, input_tensors, opts=None, *rest):
-        return self._rooted("scatter", output_tensors, input_tensors, options(opts, dist.ScatterOptions, rest, "rootRank"))
+    def scatter(self, output_tensors, input_tensors, opts=None, *rest, **kw):
+        return self._rooted("scatter", output_tensors, input_tensors, options(opts, dist.ScatterOptions, rest, kw, "scatter", "root"))
 
     def _rooted(self, kind, output_tensors, input_tensors, opts):
         """gather or scatter of one tensor per rank: the root's list (the gather's outputs, the
@@ -243,7 +306,7 @@ class Methods:
         return self._issue_rooted(kind, one, many, root, opts, kind, per_rank=True)
 
     def gather_into_tensor(self, output, input, opts=None):
-        opts = options(opts, dist.GatherOptions, (), "rootRank")
+        opts = options(opts, dist.GatherOptions, (), {}, "gather_into_tensor", "root")
         g, what = self._g, "gather_into_tensor"
         root = group_rank(g, opts.rootRank, what)
         if g.rank == root:
@@ -276,8 +339,8 @@ class Methods:
 
     # -- reduce_scatter ------------------------------------------------------------------------
 
-    def reduce_scatter(self, output_tensors, input_tensors, opts=None, *rest):
-        opts = options(opts, dist.ReduceScatterOptions, rest, "reduceOp")
+    def reduce_scatter(self, output_tensors, input_tensors, opts=None, *rest, **kw):
+        opts = options(opts, dist.ReduceScatterOptions, rest, kw, "reduce_scatter", "op")
         g, what = self._g, "reduce_scatter"
         if isinstance(output_tensors, torch.Tensor):  # (tensor, list, op) overload
             out, ins = output_tensors, list(input_tensors)
@@ -297,7 +360,7 @@ class Methods:
         return self._issue(what, opts, [out], ins, plan)
 
     def _reduce_scatter_tensors(self, outputs, inputs, opts, what):
-        opts = options(opts, dist.ReduceScatterOptions, (), "reduceOp")
+        opts = options(opts, dist.ReduceScatterOptions, (), {}, what, "op")
         op, factor = reduce_op(opts.reduceOp)
 
         def plan(st):
@@ -324,8 +387,8 @@ class Methods:
 
     # -- alltoall ------------------------------------------------------------------------------
 
-    def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None, *rest):
-        opts = options(opts, dist.AllToAllOptions, rest)
+    def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None, *rest, **kw):
+        opts = options(opts, dist.AllToAllOptions, rest, kw, "alltoall_base")
         g, what = self._g, "all_to_all_single"
 
         def plan(st):
@@ -344,8 +407,8 @@ class Methods:
 
     all_to_all_single = alltoall_base
 
-    def alltoall(self, output_tensors, input_tensors, opts=None, *rest):
-        opts = options(opts, dist.AllToAllOptions, rest)
+    def alltoall(self, output_tensors, input_tensors, opts=None, *rest, **kw):
+        opts = options(opts, dist.AllToAllOptions, rest, kw, "alltoall")
         g, what = self._g, "all_to_all"
         outs, ins = list(output_tensors), list(input_tensors)
 
@@ -365,8 +428,8 @@ class Methods:
 
     # -- barrier -------------------------------------------------------------------------------
 
-    def barrier(self, opts=None, *rest):
-        opts = options(opts, dist.BarrierOptions, rest)
+    def barrier(self, opts=None, *rest, **kw):
+        opts = options(opts, dist.BarrierOptions, rest, kw, "barrier")
         return self._issue("barrier", opts, [], (), lambda st: [Op("barrier")])
 
     def monitored_barrier(self, timeout=None, wait_all_ranks=False):

@@ -16,7 +16,7 @@ def monitored_barrier(g, timeout=None, wait_all_ranks=False):
     if isinstance(timeout, datetime.timedelta):
         t = max(0.0, timeout.total_seconds())
     elif timeout is None:
-        t = g.comm.timeout
+        t = g.timeout
     else:
         t = max(0.0, float(timeout))
     store = g.store

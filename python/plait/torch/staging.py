@@ -308,6 +308,10 @@ class Staged:
         self.keep.append(c)
         return c
 
+    def copy_back(self, dst, src):
+        """Copies `src` into `dst` when the op ends well, after the copy-backs added before."""
+        self._add_back(dst, src)
+
     def _add_back(self, dst, src):
         ctx = _stream_ctx(dst)
         if strategy(dst.device.type).mps_sync:
@@ -323,7 +327,9 @@ class Staged:
             if ok:
                 with torch.no_grad():
                     for dst, src, ctx in self._after:
-                        with ctx() if ctx else _NULL:
+                        # A tensor made under torch.inference_mode() may only be written in it;
+                        # this runs on whichever thread ends the op, outside the caller's mode.
+                        with ctx() if ctx else _NULL, torch.inference_mode() if dst.is_inference() else _NULL:
                             dst.copy_(src)
                 if self._sync_mps:
                     torch.mps.synchronize()  # the staging buffer is reused after this
