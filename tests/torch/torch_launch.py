@@ -30,9 +30,10 @@ class WorldFailed(AssertionError):
     pass
 
 
-def run_world(scenario, nproc, *, timeout=180, env=None, args=(), expect_exit=None):
-    """Runs `scenario` on `nproc` ranks; returns [result of rank 0, ...] (None for a rank that
-    wrote no result). `expect_exit`: {rank: returncode} for ranks expected to die."""
+def run_world(scenario, nproc, *, timeout=180, env=None, args=(), expect_exit=None, script=SCENARIOS):
+    """Runs `scenario` of `script` (default torch_scenarios.py) on `nproc` ranks; returns [result
+    of rank 0, ...] (None for a rank that wrote no result). `expect_exit`: {rank: returncode}
+    for ranks expected to die."""
     expect_exit = dict(expect_exit or {})
     port = free_port()
     out = Path(tempfile.mkdtemp(prefix=f"plait-{scenario}-"))
@@ -48,7 +49,7 @@ def run_world(scenario, nproc, *, timeout=180, env=None, args=(), expect_exit=No
         log = open(out / f"rank{r}.log", "w+")
         logs.append(log)
         procs.append(subprocess.Popen(
-            [sys.executable, str(SCENARIOS), scenario, str(out), *map(str, args)],
+            [sys.executable, str(script), scenario, str(out), *map(str, args)],
             env=e, stdout=log, stderr=subprocess.STDOUT, cwd=str(REPO),
         ))
     deadline = time.monotonic() + timeout

@@ -1,0 +1,74 @@
+"""Calls written the ways people write them for gloo give gloo's results on plait: each scenario
+of gloo_parity_scenarios.py runs on both backends (3 ranks) and every case must have the same
+outcome (the same values, or a refusal on both)."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from torch_launch import run_world  # noqa: E402
+
+SCRIPT = HERE / "gloo_parity_scenarios.py"
+
+
+def both(scenario, nproc=3):
+    return {b: run_world(scenario, nproc, args=[b], script=SCRIPT, timeout=180) for b in ("gloo", "plait")}
+
+
+def differences(results, gloo_fails=()):
+    """Cases whose outcomes differ, but for those in `gloo_fails`, where gloo raises and plait
+    must give a result."""
+    gloo, plait = results["gloo"], results["plait"]
+    diffs = []
+    for rank, (g, p) in enumerate(zip(gloo, plait)):
+        for name in sorted(set(g) | set(p)):
+            if name in gloo_fails:
+                if not str(g.get(name)).startswith("raised") or str(p.get(name)).startswith("raised"):
+                    diffs.append(f"rank {rank} {name}: expected gloo to raise and plait not to: gloo {g.get(name)!r} plait {p.get(name)!r}")
+                continue
+            if g.get(name, "<missing>") != p.get(name, "<missing>"):
+                diffs.append(f"rank {rank} {name}: gloo {g.get(name, '<missing>')!r} plait {p.get(name, '<missing>')!r}")
+    return diffs
+
+
+def test_keyword_forms():
+    """pg.broadcast(t, root=0), pg.allreduce(t, op=ReduceOp.MAX), reduce/gather/scatter(...,
+    root=), reduce_scatter(..., op=), timeout= and opts= by keyword; an unknown keyword is a
+    TypeError on both."""
+    r = both("keywords")
+    assert not differences(r), "\n".join(differences(r))
+    assert r["plait"][0]["allreduce(t, bogus=)"] == "raised TypeError"
+
+
+def test_futures_under_inference_mode():
+    """work.get_future().wait() of every collective issued under torch.inference_mode()."""
+    r = both("inference_mode")
+    # gloo 2.15 fails these two under inference mode ("Inplace update to inference tensor")
+    d = differences(r, gloo_fails=("reduce_scatter", "reduce_scatter_tensor"))
+    assert not d, "\n".join(d)
+    assert not any(str(v).startswith("raised") for v in r["plait"][0].values()), r["plait"][0]
+
+
+def test_several_tensors_per_process():
+    """allreduce of several tensors (each gets the reduction of all of them on every rank),
+    broadcast with rootTensor, allgather with several inputs; the forms gloo refuses are refused,
+    and the group still works after the refusals."""
+    r = both("several_tensors")
+    assert not differences(r), "\n".join(differences(r))
+    assert r["plait"][0]["reduce two tensors (refused)"].startswith("raised")
+
+
+def test_split_group_set_timeout_and_options():
+    """dist.split_group (ranks in the given order), dist.set_timeout cutting a group's timeout
+    from 60 s to 2 s for a member that never arrives, and the backend's options."""
+    r = both("groups")
+    assert not differences(r), "\n".join(differences(r))
+    p = r["plait"]
+    assert p[0]["split member"] and p[0]["split rank and size"] == (1, 2, 1, 2)
+    assert p[0]["late peer raised within 5 s (the new 2 s timeout, not 60 s)"] is True
+    assert p[0]["options follow set_timeout"] is True
