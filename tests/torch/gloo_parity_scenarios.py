@@ -208,6 +208,50 @@ def scenario_groups(args):
     os._exit(0)
 
 
+def scenario_refusals(args):
+    """plait only (gloo leaves the other ranks waiting here): a call one rank refuses fails on
+    every rank at once, naming that rank and the reason, and the group goes on working."""
+    init(args[1], seconds=30)
+    out = {}
+
+    def timed(name, fn):
+        t0 = time.monotonic()
+        try:
+            fn()
+            out[name] = ("completed", time.monotonic() - t0)
+        except Exception as e:
+            out[name] = (f"{type(e).__name__}: {e}", time.monotonic() - t0)
+
+    def all_gather_own_slot_wrong():
+        outs = [torch.zeros(4) for _ in range(WORLD)]
+        if RANK == 0:
+            outs[0] = torch.zeros(5)
+        dist.all_gather(outs, torch.ones(4))
+
+    timed("all_gather, rank 0's own slot wrong", all_gather_own_slot_wrong)
+    timed("barrier after", dist.barrier)
+    timed("broadcast, rank 1's root out of range",
+          lambda: dist.group.WORLD.broadcast(torch.ones(2), root=WORLD + 3 if RANK == 1 else 0).wait())
+    timed("int all_reduce, rank 2 asks for AVG",
+          lambda: dist.all_reduce(torch.ones(2, dtype=torch.int32), op=R.AVG if RANK == 2 else R.SUM))
+    timed("the same refusal on every rank", lambda: dist.all_reduce(torch.ones(2, dtype=torch.int32), op=R.AVG))
+
+    def async_reduce_scatter():
+        ins = [torch.ones(3) for _ in range(WORLD if RANK != 0 else WORLD - 1)]
+        dist.reduce_scatter(torch.zeros(3), ins, async_op=True).wait()
+
+    timed("async reduce_scatter, rank 0 one input short", async_reduce_scatter)
+    sub = dist.new_group([1, 2])
+    if RANK in (1, 2):
+        timed("subgroup all_gather_into_tensor, rank 2 wrong size", lambda: dist.all_gather_into_tensor(
+            torch.zeros(2 * 2 + (1 if RANK == 2 else 0)), torch.ones(2), group=sub))
+    x = torch.full((3,), 1.0 + RANK)
+    timed("all_reduce after", lambda: dist.all_reduce(x))
+    out["all_reduce after value"] = x.tolist()
+    dist.destroy_process_group()
+    return out
+
+
 def main():
     name, out = sys.argv[1], Path(sys.argv[2])
     args = [str(out)] + sys.argv[3:]

@@ -72,3 +72,36 @@ def test_split_group_set_timeout_and_options():
     assert p[0]["split member"] and p[0]["split rank and size"] == (1, 2, 1, 2)
     assert p[0]["late peer raised within 5 s (the new 2 s timeout, not 60 s)"] is True
     assert p[0]["options follow set_timeout"] is True
+
+
+def test_a_call_refused_on_one_rank_fails_every_rank():
+    """Arguments one rank refuses (its own output slot too big, a root out of range, AVG on
+    integers, one input short) end the call on every rank at once, naming that rank and the
+    reason, not after the 30 s timeout; the group goes on working, subgroups too. A rank whose
+    part needs nothing from the refusing one (the root of a broadcast) may complete its part.
+    (gloo raises on the refusing rank only and leaves the others waiting: not compared.)"""
+    results = run_world("refusals", 3, args=["plait"], script=SCRIPT, timeout=180)
+    cases = {
+        "all_gather, rank 0's own slot wrong": (0, "output tensor 0 has 5 elements"),
+        "broadcast, rank 1's root out of range": (1, "out of range"),
+        "int all_reduce, rank 2 asks for AVG": (2, "avg"),
+        "async reduce_scatter, rank 0 one input short": (0, "expected 3 input tensors"),
+    }
+    for name, (refuser, why) in cases.items():
+        for rank, r in enumerate(results):
+            msg, took = r[name]
+            if name.startswith("broadcast") and rank == 0 and msg == "completed":
+                continue  # the root sends, and needs nothing back
+            assert msg.startswith("InvalidArgumentError"), (rank, name, msg)
+            assert why.lower() in msg.lower(), (rank, name, msg)
+            if rank != refuser:
+                assert f"rank {refuser} refused this call" in msg, (rank, name, msg)
+            assert took < 10, (rank, name, took)
+    for rank, r in enumerate(results):
+        assert r["the same refusal on every rank"][0].startswith("InvalidArgumentError"), r
+        assert "refused this call" not in r["the same refusal on every rank"][0], r
+        assert r["barrier after"][0] == "completed", r
+        assert r["all_reduce after"][0] == "completed", r
+        assert r["all_reduce after value"] == [6.0] * 3, r
+    msg, took = results[1]["subgroup all_gather_into_tensor, rank 2 wrong size"]
+    assert "rank 1 refused this call" in msg and took < 10, msg  # rank 2 of the world is rank 1 of [1, 2]

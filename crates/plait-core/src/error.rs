@@ -22,6 +22,10 @@ pub enum PlaitError {
     /// Ranks disagree on what they are doing (collective, dtype, count, op, root).
     #[error("{}mismatch with rank {peer}: {detail}", op_prefix(op))]
     Mismatch { op: String, peer: usize, detail: String },
+    /// Another rank refused its arguments for this call (so it will never take part); nothing
+    /// of the call was kept, and the communicator stays usable.
+    #[error("{}rank {peer} refused this call: {reason}", op_prefix(op))]
+    Refused { op: String, peer: usize, reason: String },
     /// `abort()` was called.
     #[error("{}aborted ({reason})", op_prefix(op))]
     Aborted { op: String, reason: String },
@@ -80,6 +84,9 @@ impl PlaitError {
             PlaitError::Mismatch { peer, detail, .. } => {
                 PlaitError::Mismatch { op: op.to_string(), peer: *peer, detail: detail.clone() }
             }
+            PlaitError::Refused { peer, reason, .. } => {
+                PlaitError::Refused { op: op.to_string(), peer: *peer, reason: reason.clone() }
+            }
             PlaitError::Timeout { waiting_on, waited, .. } => PlaitError::Timeout {
                 op: op.to_string(),
                 waiting_on: waiting_on.clone(),
@@ -92,7 +99,7 @@ impl PlaitError {
     /// Short machine-readable kind, used by the Python layer to pick the exception class.
     pub fn kind(&self) -> &'static str {
         match self {
-            PlaitError::InvalidArgument(_) => "invalid",
+            PlaitError::InvalidArgument(_) | PlaitError::Refused { .. } => "invalid",
             PlaitError::Config(_) => "config",
             PlaitError::Peer { .. } => "peer",
             PlaitError::Timeout { .. } => "timeout",

@@ -41,7 +41,7 @@ fn exc_class<'py>(py: Python<'py>, name: &str) -> Bound<'py, PyType> {
 fn to_py(err: PlaitError) -> PyErr {
     Python::with_gil(|py| {
         let name = match err {
-            PlaitError::InvalidArgument(_) => "InvalidArgumentError",
+            PlaitError::InvalidArgument(_) | PlaitError::Refused { .. } => "InvalidArgumentError",
             PlaitError::Config(_) => "ConfigError",
             PlaitError::Peer { .. } | PlaitError::Io(_) => "PeerError",
             PlaitError::Timeout { .. } => "PlaitTimeoutError",
@@ -324,6 +324,13 @@ impl PyComm {
         let comm = self.comm.clone();
         let sub = py.allow_threads(move || comm.subgroup(&name, &ranks, timeout, algo)).map_err(to_py)?;
         Ok(PyComm { comm: sub })
+    }
+
+    /// Refuses this rank's next collective (bad arguments: `reason`), so the other ranks' part of
+    /// it fails with that reason instead of waiting. Returns its sequence number.
+    fn refuse(&self, py: Python<'_>, reason: String) -> PyResult<u64> {
+        let comm = self.comm.clone();
+        py.allow_threads(move || comm.refuse(&reason)).map_err(to_py)
     }
 
     #[pyo3(signature = (reason="abort() called".to_string()))]

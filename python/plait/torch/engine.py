@@ -154,6 +154,16 @@ class Group:
             self.coalescing.append(w)
         return w
 
+    def refuse(self, err):
+        """This rank refused a collective's arguments (`err`): the call still counts here, and
+        the other ranks' part of it fails with the reason instead of waiting for this rank."""
+        if self.closed:
+            return
+        try:
+            self.comm.refuse(str(err))
+        except PlaitError:  # already broken or closed: the peers hear that instead
+            pass
+
     def shutdown(self, abort_reason=None):
         with self._lock:
             if self.closed:
@@ -194,7 +204,9 @@ def issue(g, name, what, opts, outputs, inputs, plan):
             parts.append(g.start(op, timeout, inline))
     except PlaitError as e:
         _abandon(parts, st)
-        raise torch_error(e, g.context()) from None
+        err = torch_error(e, g.context())
+        err.plait_started = bool(parts)  # part of the call is under way: not a refusal
+        raise err from None
     except BaseException:
         _abandon(parts, st)
         raise

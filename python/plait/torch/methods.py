@@ -2,6 +2,8 @@
 tensors the core reads and writes, in which views, with which core operation, root, op and
 counts. Checking, staging, starting, failure and the Work are `engine.issue`'s."""
 
+import functools
+
 import torch
 import torch.distributed as dist
 
@@ -13,8 +15,37 @@ from .engine import Op, issue
 from .monitored_barrier import monitored_barrier
 from .staging import invalid
 from .work import PlaitWork, Sub, seconds
+from .._core import InvalidArgumentError
 
 _AllreduceCoalescedOptions = getattr(dist, "AllreduceCoalescedOptions", dist.AllreduceOptions)
+
+# The collectives: a call refused on one rank is refused on every rank (see `agreed`).
+COLLECTIVES = (
+    "allreduce", "allreduce_coalesced", "broadcast", "reduce", "allgather", "_allgather_base",
+    "allgather_into_tensor_coalesced", "all_gather_single", "all_gather_single_coalesced", "allgather_coalesced",
+    "gather", "scatter", "gather_into_tensor", "gather_single", "reduce_scatter", "_reduce_scatter_base",
+    "reduce_scatter_tensor_coalesced", "reduce_scatter_single", "reduce_scatter_single_coalesced",
+    "alltoall_base", "all_to_all_single", "alltoall", "barrier",
+)
+
+
+def agreed(method):
+    """A collective this rank refuses (bad arguments, found before anything was sent) still
+    counts as that call: the core tells the other ranks, whose part of it fails at once with
+    the reason and this rank's name instead of waiting for this rank until the deadline; the
+    group stays usable on every rank. (Arguments torch itself refuses before calling the backend
+    are beyond reach: there, as with gloo, the other ranks wait.)"""
+
+    @functools.wraps(method)
+    def call(self, *args, **kw):
+        try:
+            return method(self, *args, **kw)
+        except InvalidArgumentError as e:
+            if not getattr(e, "plait_started", False):
+                self._g.refuse(e)
+            raise
+
+    return call
 
 
 def _single_and_coalesced(tensors_call, what):
@@ -479,3 +510,7 @@ class Methods:
         return PlaitWork(g, [Sub(w) for w in works], outputs, None, f"{len(works)} coalesced operations")
 
     _start_coalescing, _end_coalescing = startCoalescing, endCoalescing
+
+
+for _name in COLLECTIVES:
+    setattr(Methods, _name, agreed(getattr(Methods, _name)))

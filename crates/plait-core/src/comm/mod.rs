@@ -208,6 +208,19 @@ impl Communicator {
         }))
     }
 
+    /// This rank refuses its next collective (its arguments were bad; `reason` says how): the
+    /// call takes its sequence number here as everywhere, and the other ranks' part of it ends
+    /// with a `Refused` error naming this rank and the reason, instead of waiting for this rank
+    /// until the deadline. Nothing is kept of the call anywhere and the communicator stays
+    /// usable. Returns the refused call's sequence number.
+    pub fn refuse(&self, reason: &str) -> Result<u64> {
+        self.usable()?;
+        let seq = self.seq.fetch_add(1, Ordering::SeqCst);
+        self.session.mailbox.finish_refused(seq);
+        self.session.send_refusal(seq, reason);
+        Ok(seq)
+    }
+
     fn check_tag(&self, call: &str, tag: u64) -> Result<()> {
         if tag >= RESERVED_TAGS {
             return Err(PlaitError::invalid(format!("{call}: tag {tag} is reserved; use tags below 2**63")));

@@ -71,6 +71,13 @@ pub fn run_collective(
             run.finalize();
             Ok(())
         }
+        Err(err @ PlaitError::Refused { .. }) => {
+            // Every rank hears of the refusal: the call ends everywhere, the communicator lives.
+            run.withdraw(&rx, &mut state);
+            session.mailbox.finish_refused(spec.seq);
+            run.restore_output();
+            Err(err)
+        }
         Err(err) => {
             let err = run.abandon(err, &rx, &mut state, start);
             run.restore_output();
@@ -417,6 +424,13 @@ impl Run<'_> {
     /// thread touches the caller's memory any more.
     fn abandon(&self, err: PlaitError, rx: &Receiver<Event>, st: &mut State, start: Instant) -> PlaitError {
         let first = self.session.fail(err, true);
+        self.withdraw(rx, st);
+        with_waited(first.for_op(&self.spec.what), start.elapsed())
+    }
+
+    /// Withdraws this operation's receives and waits (bounded) until no link thread touches the
+    /// caller's memory any more.
+    fn withdraw(&self, rx: &Receiver<Event>, st: &mut State) {
         st.outstanding -= self.session.mailbox.cancel(self.op_id).min(st.outstanding);
         let drain_deadline = Instant::now() + Duration::from_secs(10);
         while st.outstanding > 0 {
@@ -428,7 +442,6 @@ impl Run<'_> {
                 }
             }
         }
-        with_waited(first.for_op(&self.spec.what), start.elapsed())
     }
 }
 

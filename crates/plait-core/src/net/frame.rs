@@ -21,6 +21,9 @@ pub enum FrameKind {
     Abort = 4,
     /// The sender closed its communicator normally.
     Close = 5,
+    /// The sender refused its arguments for collective `seq` (the payload says why, UTF-8): it
+    /// takes no part in that call, and the others end it instead of waiting.
+    Refuse = 6,
 }
 
 impl FrameKind {
@@ -31,6 +34,7 @@ impl FrameKind {
             3 => FrameKind::Heartbeat,
             4 => FrameKind::Abort,
             5 => FrameKind::Close,
+            6 => FrameKind::Refuse,
             _ => return None,
         })
     }

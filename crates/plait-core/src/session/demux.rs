@@ -142,6 +142,11 @@ impl Inbox for Demux {
                 self.fail_relaying(err, reason);
                 Ok(())
             }
+            Some(FrameKind::Refuse) => {
+                let reason = read_text(payload, 4096)?;
+                self.mailbox.refused_by(peer, h.seq, reason);
+                Ok(())
+            }
             Some(FrameKind::Close) => {
                 read_text(payload, 0)?;
                 let lanes = self.session.lock().upgrade().and_then(|f| f.links.get(peer)?.as_ref().map(|l| l.lanes())).unwrap_or(1);

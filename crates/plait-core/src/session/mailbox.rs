@@ -67,6 +67,12 @@ struct Inner {
     /// and those in `finished_above`. A frame for one of them means the ranks disagree.
     finished_below: u64,
     finished_above: std::collections::HashSet<u64>,
+    /// Collectives some rank refused (by seq): (that rank, its reason). Receives posted for
+    /// them fail with `Refused`, so this rank's part of the call ends instead of waiting.
+    refused: HashMap<u64, (usize, String)>,
+    /// Collectives this rank ended because of a refusal (its own or a peer's): frames of them
+    /// still on their way from the ranks that went ahead are dropped, not a disagreement.
+    dropped: std::collections::HashSet<u64>,
 }
 
 impl Inner {
@@ -93,6 +99,12 @@ impl Mailbox {
             let mut inner = self.inner.lock();
             if let Some(err) = &inner.broken {
                 let err = err.clone();
+                drop(inner);
+                let _ = p.events.send(Event { token: p.token, result: Err(err), source: key.0 });
+                return;
+            }
+            if let Some((peer, reason)) = inner.refused.get(&key.2).filter(|_| key.1 == FrameKind::Data as u8) {
+                let err = PlaitError::Refused { op: p.expect.what.to_string(), peer: *peer, reason: reason.clone() };
                 drop(inner);
                 let _ = p.events.send(Event { token: p.token, result: Err(err), source: key.0 });
                 return;
@@ -199,10 +211,39 @@ impl Mailbox {
         }
     }
 
+    /// `peer` refused collective `seq`: this rank's receives for it fail now or when posted.
+    /// (Nothing changes for a call this rank has already finished.)
+    pub fn refused_by(&self, peer: usize, seq: u64, reason: String) {
+        let failed: Vec<(Key, Posted)> = {
+            let mut inner = self.inner.lock();
+            if inner.is_finished(seq) || inner.broken.is_some() {
+                return;
+            }
+            inner.refused.entry(seq).or_insert((peer, reason.clone()));
+            let data = FrameKind::Data as u8;
+            let keys: Vec<Key> = inner.posted.keys().filter(|k| k.1 == data && k.2 == seq).copied().collect();
+            keys.into_iter().filter_map(|k| inner.posted.remove(&k).map(|p| (k, p))).collect()
+        };
+        for (key, p) in failed {
+            let err = PlaitError::Refused { op: p.expect.what.to_string(), peer, reason: reason.clone() };
+            let _ = p.events.send(Event { token: p.token, result: Err(err), source: key.0 });
+        }
+    }
+
+    /// Ends collective `seq` on this rank because a rank refused it (this one, or a peer): its
+    /// early frames are dropped, and so are those still on their way.
+    pub fn finish_refused(&self, seq: u64) {
+        self.finish(seq);
+        let mut inner = self.inner.lock();
+        inner.refused.remove(&seq);
+        inner.dropped.insert(seq);
+    }
+
     /// Marks collective `seq` complete on this rank. Returns a frame of it that arrived but was
     /// never asked for: the ranks disagreed about the call (root, counts, algorithm).
     pub fn finish(&self, seq: u64) -> Option<(usize, FrameHeader)> {
         let mut inner = self.inner.lock();
+        inner.refused.remove(&seq);
         if inner.finished_below == 0 {
             inner.finished_below = 1;
         }
@@ -229,6 +270,9 @@ impl Mailbox {
     pub fn deliver(&self, peer: usize, h: &FrameHeader, payload: &mut dyn Read) -> io::Result<()> {
         if h.kind == FrameKind::Data as u8 && self.inner.lock().is_finished(h.seq) {
             io::copy(payload, &mut io::sink())?;
+            if self.inner.lock().dropped.contains(&h.seq) {
+                return Ok(());
+            }
             return Err(io::Error::new(
                 io::ErrorKind::InvalidData,
                 format!(

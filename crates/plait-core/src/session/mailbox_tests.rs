@@ -205,3 +205,58 @@ fn a_receive_keeps_what_it_overwrites_so_a_failure_can_restore_it() {
     keep.restore();
     assert_eq!(&dst, b"old!");
 }
+
+fn refused_from(rx: &Receiver<Event>) -> String {
+    let ev = rx.try_recv().expect("the receive completed");
+    match ev.result {
+        Err(e @ PlaitError::Refused { .. }) => e.to_string(),
+        other => panic!("expected a refusal, got {other:?}"),
+    }
+}
+
+#[test]
+fn a_refusal_fails_the_receives_of_that_call_posted_before_and_after_it() {
+    let m = Mailbox::new();
+    let (mut a, mut b, mut c) = ([0u8; 2], [0u8; 2], [0u8; 2]);
+    let (pa, ra) = posted(&mut a, data_call(4), 1);
+    let (pc, rc) = posted(&mut c, data_call(5), 2);
+    m.post((1, FrameKind::Data as u8, 4, 0, 0, 0), pa);
+    m.post((1, FrameKind::Data as u8, 5, 0, 0, 0), pc);
+    m.refused_by(2, 4, "bad counts".into());
+    assert!(refused_from(&ra).contains("rank 2 refused this call: bad counts"));
+    let (pb, rb) = posted(&mut b, data_call(4), 1);
+    m.post((1, FrameKind::Data as u8, 4, 1, 0, 0), pb);
+    assert!(refused_from(&rb).contains("bad counts"), "a receive of the refused call posted later fails too");
+    assert!(rc.try_recv().is_err(), "the next call is not touched");
+    assert_eq!(a, [0, 0]);
+}
+
+#[test]
+fn frames_of_a_refused_call_still_on_their_way_are_dropped_quietly() {
+    let m = Mailbox::new();
+    // One peer went ahead with call 6 before hearing that another refused it.
+    deliver(&m, 1, &FrameHeader::data(&data_call(6), 0, 0, 0, 2, 2), b"ab").unwrap();
+    m.refused_by(2, 6, "no".into());
+    m.finish_refused(6);
+    deliver(&m, 1, &FrameHeader::data(&data_call(6), 1, 0, 0, 2, 2), b"cd").expect("dropped, not a disagreement");
+    // A frame of a call this rank finished normally is still a disagreement.
+    m.finish(7);
+    assert!(deliver(&m, 1, &FrameHeader::data(&data_call(7), 0, 0, 0, 2, 2), b"ef").is_err());
+    // The stash kept nothing of call 6: the receive of the next call is not served by it.
+    let mut x = [0u8; 2];
+    let (p, rx) = posted(&mut x, data_call(8), 1);
+    m.post((1, FrameKind::Data as u8, 8, 0, 0, 0), p);
+    assert!(rx.try_recv().is_err());
+}
+
+#[test]
+fn a_refusal_of_a_call_this_rank_finished_changes_nothing() {
+    let m = Mailbox::new();
+    m.finish(3);
+    m.refused_by(1, 3, "late".into());
+    let mut x = [0u8; 2];
+    let (p, rx) = posted(&mut x, data_call(4), 1);
+    m.post((1, FrameKind::Data as u8, 4, 0, 0, 0), p);
+    deliver(&m, 1, &FrameHeader::data(&data_call(4), 0, 0, 0, 2, 2), b"gh").unwrap();
+    ok_from(&rx);
+}

@@ -167,6 +167,16 @@ impl Session {
         });
     }
 
+    /// Tells every peer that this rank refused collective `seq` and why (its first 4 KiB).
+    pub fn send_refusal(&self, seq: u64, reason: &str) {
+        let mut text = reason.as_bytes().to_vec();
+        text.truncate(4096);
+        for link in self.links.iter().flatten() {
+            let header = FrameHeader { kind: FrameKind::Refuse as u8, seq, group: self.group, ..Default::default() };
+            link.send_owned(header, text.clone());
+        }
+    }
+
     pub fn peer_addr(&self, peer: usize) -> String {
         self.links.get(peer).and_then(|l| l.as_ref()).map(|l| l.addr.clone()).unwrap_or_default()
     }
