@@ -45,6 +45,37 @@ def test_init_from_env():
         assert code == 0 and f"ok {r}" in out, f"rank {r} exit {code}:\n{out[-3000:]}"
 
 
+def test_debug_log_of_a_clean_run_has_no_warning_and_no_colour(tmp_path):
+    """PLAIT_DEBUG logs to stderr; a job that closes cleanly logs no WARN (closing is not a
+    failure), and stderr redirected to a file gets plain text, no ANSI colour codes."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    n = 3
+    procs = []
+    for r in range(n):
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r), WORLD_SIZE=str(n),
+                   PLAIT_DEBUG="info")
+        with open(tmp_path / f"{r}.log", "wb") as log:
+            procs.append(subprocess.Popen([sys.executable, "-c", SCRIPT], env=env, stdout=subprocess.DEVNULL,
+                                          stderr=log, start_new_session=True))
+    try:
+        codes = [p.wait(timeout=90) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    for r in range(n):
+        text = (tmp_path / f"{r}.log").read_text(errors="replace")
+        assert codes[r] == 0, f"rank {r} exit {codes[r]}:\n{text[-3000:]}"
+        if r == 0:  # rank 0 logs the topology and routes at INFO: the log is on
+            assert " INFO plait_core" in text, text[-3000:]
+        assert "\x1b" not in text, text[-3000:]
+        warned = [line for line in text.splitlines() if " WARN " in line or " ERROR " in line]
+        assert not warned, warned
+
+
 def test_demo(tmp_path):
     path = tmp_path / "demo.json"
     ((out, code),) = _run_all([[sys.executable, "-m", "plait.tools.cli", "demo", "--quick", "--json", str(path)]],
