@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from .. import _core
 from .._core import BrokenError, PlaitError
+from . import debug
 from . import staging as stg
 from .staging import HostPool, Staged
 from .work import Completer, PlaitWork, seconds, torch_error
@@ -73,6 +74,7 @@ class Group:
         # bit-identical on every rank); other float reductions are cast to `wire` here (no int8).
         self.wire_name = opts.wire_dtype
         self.wire = stg.WIRE_DTYPE.get(opts.wire_dtype)
+        self.trace, self.check = debug.attach(self)  # the recorder (plait trace) and the DETAIL check, or None
         _GROUPS.add(self)
 
     def check_open(self, name):
@@ -147,6 +149,7 @@ class Group:
             if self.closed:
                 return
             self.closed = True
+        debug.detach(self)
         try:
             if abort_reason is not None:
                 self.comm.abort(abort_reason)
@@ -172,9 +175,12 @@ def issue(g, name, what, opts, outputs, inputs, plan):
     has started waits (bounded) for those that did, frees the staging memory and raises in torch's
     form. `name` is the group's c10d name, `what` the call's, for messages."""
     g.check_open(name)
+    rec = g.trace.begin(what, opts, inputs, outputs) if g.trace is not None else None
     st = Staged(g.pool, g.opts.force_staging)
     parts = []
     try:
+        if g.check is not None:
+            g.check.run(what, opts, inputs, outputs)  # TORCH_DISTRIBUTED_DEBUG=DETAIL: raises on every rank
         ops = plan(st)
         inline = g.runs_inline(opts, ops)
         timeout = seconds(getattr(opts, "timeout", None))
@@ -182,11 +188,19 @@ def issue(g, name, what, opts, outputs, inputs, plan):
             parts.append(g.start(op, timeout, inline))
     except PlaitError as e:
         _abandon(parts, st)
-        raise torch_error(e, g.context()) from None
-    except BaseException:
+        err = torch_error(e, g.context())
+        if rec is not None:
+            rec.end(err)
+        raise err from None
+    except BaseException as e:
         _abandon(parts, st)
+        if rec is not None:
+            rec.end(e)
         raise
-    return g.work(parts, outputs, st, what, inputs)
+    w = g.work(parts, outputs, st, what, inputs)
+    if rec is not None:
+        rec.started(w)
+    return w
 
 
 def _abandon(parts, st):
