@@ -190,6 +190,9 @@ def main(argv=None):
 
     bench_arguments(bench)
     _testbed_parsers(sub)
+    from .trace import add_arguments as trace_arguments
+
+    trace_arguments(sub.add_parser("trace", help="read the traces every rank writes on a timeout or failure"))
     args = parser.parse_args(argv)
     if args.version:
         import plait
@@ -212,6 +215,10 @@ def main(argv=None):
         return bench_run(args)
     if args.command == "testbed":
         return _testbed(args, parser)
+    if args.command == "trace":
+        from .trace import main as trace_main
+
+        return trace_main(args)
     parser.print_help()
     return 2
 
