@@ -106,3 +106,12 @@ def test_demo_json_to_stdout_without_rich(tmp_path):
     summary = json.loads(proc.stdout)
     assert summary["failed"] == 0 and len(summary["collectives"]) >= 14 and summary["sweep"]
     assert "all checks passed" in proc.stderr and "\x1b" not in proc.stderr, proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("command", [["demo"], ["bench"], ["doctor"], ["testbed", "status"], ["trace", "show"]])
+def test_every_command_takes_json_path_or_dash(command):
+    """One `--json` everywhere: an optional PATH, `-` (or nothing) meaning stdout."""
+    proc = _plait(command + ["--help"], timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    text = " ".join(proc.stdout.split())
+    assert "--json [PATH]" in text and "`--json -` (or --json alone)" in text, proc.stdout

@@ -9,6 +9,8 @@ import os
 import re
 import sys
 
+from ._jsonout import add_json_option
+
 
 def add_arguments(p):
     sub = p.add_subparsers(dest="trace_command", metavar="action")
@@ -19,7 +21,8 @@ def add_arguments(p):
                           "rank(s) that never arrived there.")
     show.add_argument("dir", nargs="?", help="the trace directory (default: PLAIT_TRACE_DIR or <temp dir>/plait-trace)")
     show.add_argument("--job", help="the job whose traces to read, when DIR holds several (default: the newest)")
-    show.add_argument("--json", metavar="PATH", help="also write the analysis as JSON to PATH ('-': stdout only)")
+    add_json_option(show, help="also write the analysis as JSON to PATH; `--json -` (or --json alone) writes it to "
+                    "stdout instead of the text")
     return p
 
 
