@@ -33,7 +33,7 @@ FLOATS = frozenset(d["name"] for d in _core.DTYPES if d["float"])
 OPS = tuple(o["name"] for o in _core.OPS)
 
 
-def supported_dtypes():
+def supported_dtypes() -> "list[np.dtype]":
     """The numpy dtypes plait can move, in core order."""
     return list(_BY_NUMPY)
 

@@ -5,7 +5,10 @@ the communicator's) and `async_op=`; blocking calls return the output array, asy
 `Work` that keeps the buffers alive until the operation ends.
 """
 
+from __future__ import annotations
+
 import operator
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
 
 import numpy as np
 
@@ -22,6 +25,13 @@ from ._buffers import (
 from ._core import InvalidArgumentError, PlaitTimeoutError
 from ._dtypes import check_op, core_dtype
 
+if TYPE_CHECKING:
+    from numpy.typing import ArrayLike
+
+    # What a call returns: the output array (None on ranks that get none), or with async_op=True
+    # a Work whose result() is that.
+    Result = Any
+
 _POLL = 0.25  # seconds between checks for Ctrl-C while a wait for a Work blocks
 
 
@@ -35,7 +45,7 @@ class Work:
         self._keep = keep  # buffers the core reads or writes: alive until the op ends
         self._result = result
 
-    def wait(self, timeout=None):
+    def wait(self, timeout: Optional[float] = None) -> bool:
         """True once the operation is done, False if `timeout` seconds passed first.
         Raises the operation's error (a PlaitError subclass) if it failed."""
         try:
@@ -48,16 +58,16 @@ class Work:
             self._keep = None
         return done
 
-    def is_completed(self):
+    def is_completed(self) -> bool:
         return self._work.is_completed()
 
-    def result(self, timeout=None):
+    def result(self, timeout: Optional[float] = None) -> Optional[np.ndarray]:
         """Waits, then returns the output array (None where the rank gets no output)."""
         if not self.wait(timeout):
             raise PlaitTimeoutError(f"operation not complete after {timeout} s")
         return self._result
 
-    def source(self):
+    def source(self) -> int:
         """For a receive: the rank the message came from."""
         return self._work.source()
 
@@ -71,7 +81,8 @@ class Communicator:
     """`world_size` processes that meet through `store` (torch's TCPStore or anything with
     set / get / wait) and then talk over a full mesh of TCP connections."""
 
-    def __init__(self, store, rank, world_size, *, timeout=None, group="default", epoch=0, algo=None):
+    def __init__(self, store: Any, rank: int, world_size: int, *, timeout: Optional[float] = None,
+                 group: str = "default", epoch: int = 0, algo: Optional[str] = None) -> None:
         world_size = _int(world_size, "Communicator", "world_size")
         if world_size < 1:
             raise InvalidArgumentError(f"Communicator: world_size must be >= 1, got {world_size}")
@@ -87,40 +98,41 @@ class Communicator:
 
     # -- identity ------------------------------------------------------------------------------
     @property
-    def rank(self):
+    def rank(self) -> int:
         return self._comm.rank
 
     @property
-    def world_size(self):
+    def world_size(self) -> int:
         return self._comm.size
 
     size = world_size
 
     @property
-    def epoch(self):
+    def epoch(self) -> int:
         return self._comm.epoch
 
     @property
-    def group(self):
+    def group(self) -> str:
         return self._comm.group
 
     def __repr__(self):
         return f"<plait.Communicator rank {self.rank}/{self.world_size} group {self.group!r} epoch {self.epoch}>"
 
-    def algorithm_for(self, coll, nbytes, root=0):
+    def algorithm_for(self, coll: str, nbytes: int, root: int = 0) -> str:
         """The algorithm the selector would use for this collective and size."""
         return self._comm.algorithm_for(coll, nbytes, root)
 
-    def routes(self):
+    def routes(self) -> List[Dict[str, Any]]:
         """Per peer: the local and remote address and interface used, why, the start-up RTT and the
         number of TCP streams (`PLAIT_STREAMS`)."""
         return self._comm.routes()
 
-    def topology(self):
+    def topology(self) -> str:
         """"full_mesh", "shared", "partial_mesh" or "single": how the ranks are wired (all agree)."""
         return self._comm.topology()
 
-    def subgroup(self, ranks, name, *, timeout=None, algo=None):
+    def subgroup(self, ranks: Sequence[int], name: str, *, timeout: Optional[float] = None,
+                 algo: Optional[str] = None) -> Communicator:
         """A communicator over `ranks` of this one (their order gives the new ranks), sharing this
         one's connections: no socket is opened and nothing is sent, so it costs microseconds. Every
         member calls it with the same `ranks` and `name`; a name serves one subgroup only. It fails
@@ -139,7 +151,9 @@ class Communicator:
         return sub
 
     # -- reductions ----------------------------------------------------------------------------
-    def allreduce(self, x, op="sum", *, out=None, factor=None, timeout=None, algo=None, wire=None, async_op=False):
+    def allreduce(self, x: ArrayLike, op: str = "sum", *, out: Optional[ArrayLike] = None,
+                  factor: Optional[float] = None, timeout: Optional[float] = None, algo: Optional[str] = None, wire: Optional[str] = None,
+                  async_op: bool = False) -> Result:
         """`wire` ("bf16", "f16", "int8") compresses f32 data on the wire; every rank still ends
         with bit-identical results (default: PLAIT_WIRE_DTYPE, else uncompressed)."""
         w = "allreduce"
@@ -151,7 +165,8 @@ class Communicator:
         return self._run(w, send, o, dt, o, op=op, factor=factor, timeout=timeout, algo=algo, wire=wire,
                          async_op=async_op)
 
-    def reduce(self, x, root, op="sum", *, out=None, factor=None, timeout=None, algo=None, async_op=False):
+    def reduce(self, x: ArrayLike, root: int, op: str = "sum", *, out: Optional[ArrayLike] = None,
+               factor: Optional[float] = None, timeout: Optional[float] = None, algo: Optional[str] = None, async_op: bool = False) -> Result:
         """Result in `out` (returned) on `root`; other ranks return None."""
         w = "reduce"
         a = as_input(x, w)
@@ -164,7 +179,8 @@ class Communicator:
         return self._run(w, send, o, dt, result, op=op, factor=factor, root=root, timeout=timeout, algo=algo,
                          async_op=async_op)
 
-    def reduce_scatter(self, x, op="sum", *, out=None, factor=None, timeout=None, algo=None, async_op=False):
+    def reduce_scatter(self, x: ArrayLike, op: str = "sum", *, out: Optional[ArrayLike] = None,
+                       factor: Optional[float] = None, timeout: Optional[float] = None, algo: Optional[str] = None, async_op: bool = False) -> Result:
         """x holds world_size equal blocks (x.shape[0] == world_size, or flat); this rank gets the
         reduction of block `rank`. In place when out is block `rank` of x."""
         w = "reduce_scatter"
@@ -176,8 +192,9 @@ class Communicator:
         shape = a.shape[1:] if a.ndim >= 2 and a.shape[0] == n else (c,)
         return self._reduce_scatter(w, a, [c] * n, op, out, factor, timeout, algo, async_op, shape, None)
 
-    def reduce_scatter_v(self, x, counts, op="sum", *, out=None, factor=None, timeout=None, algo=None,
-                         async_op=False):
+    def reduce_scatter_v(self, x: ArrayLike, counts: Sequence[int], op: str = "sum", *,
+                         out: Optional[ArrayLike] = None, factor: Optional[float] = None, timeout: Optional[float] = None, algo: Optional[str] = None,
+                         async_op: bool = False) -> Result:
         """Uneven reduce_scatter: block r of x has counts[r] elements."""
         w = "reduce_scatter_v"
         a = as_input(x, w)
@@ -195,7 +212,7 @@ class Communicator:
                          timeout=timeout, algo=algo, async_op=async_op)
 
     # -- data movement ---------------------------------------------------------------------------
-    def broadcast(self, x, root, *, timeout=None, algo=None, async_op=False):
+    def broadcast(self, x: ArrayLike, root: int, *, timeout: Optional[float] = None, algo: Optional[str] = None, async_op: bool = False) -> Result:
         """Copies root's x into x on every rank (in place); returns x."""
         w = "broadcast"
         a = as_output(x, w, "x")
@@ -204,14 +221,16 @@ class Communicator:
         send = a if self.rank == root else _empty(a)
         return self._run(w, send, a, dt, a, root=root, timeout=timeout, algo=algo, async_op=async_op)
 
-    def allgather(self, x, *, out=None, timeout=None, algo=None, async_op=False):
+    def allgather(self, x: ArrayLike, *, out: Optional[ArrayLike] = None, timeout: Optional[float] = None, algo: Optional[str] = None,
+                  async_op: bool = False) -> Result:
         """Every rank's x, stacked: shape (world_size, *x.shape). In place when x is block `rank`
         of out."""
         a = as_input(x, "allgather")
         n = self.world_size
         return self._allgather("allgather", a, [a.size] * n, out, (n,) + a.shape, None, timeout, algo, async_op)
 
-    def allgather_v(self, x, counts, *, out=None, timeout=None, algo=None, async_op=False):
+    def allgather_v(self, x: ArrayLike, counts: Sequence[int], *, out: Optional[ArrayLike] = None, timeout: Optional[float] = None, algo: Optional[str] = None,
+                    async_op: bool = False) -> Result:
         """Uneven allgather: rank r contributes counts[r] elements; out is 1-D, sum(counts) long."""
         w = "allgather_v"
         a = as_input(x, w)
@@ -228,7 +247,8 @@ class Communicator:
         return self._run("allgather", send, o, core_dtype(a.dtype), o, recv_counts=core_counts, timeout=timeout,
                          algo=algo, async_op=async_op)
 
-    def gather(self, x, root, *, out=None, counts=None, timeout=None, algo=None, async_op=False):
+    def gather(self, x: ArrayLike, root: int, *, out: Optional[ArrayLike] = None,
+               counts: Optional[Sequence[int]] = None, timeout: Optional[float] = None, algo: Optional[str] = None, async_op: bool = False) -> Result:
         """Every rank's x at root (stacked, or 1-D if counts are given); other ranks return None."""
         w = "gather"
         a = as_input(x, w)
@@ -248,7 +268,8 @@ class Communicator:
         return self._run(w, separate(a, o), o, dt, o, root=root, recv_counts=counts, timeout=timeout,
                          algo=algo, async_op=async_op)
 
-    def scatter(self, x, root, out, *, counts=None, timeout=None, algo=None, async_op=False):
+    def scatter(self, x: Optional[ArrayLike], root: int, out: ArrayLike, *, counts: Optional[Sequence[int]] = None,
+                timeout: Optional[float] = None, algo: Optional[str] = None, async_op: bool = False) -> Result:
         """Block r of root's x goes to out on rank r (x is ignored on other ranks); returns out."""
         w = "scatter"
         n = self.world_size
@@ -267,7 +288,8 @@ class Communicator:
         return self._run(w, separate(a, o), o, dt, o, root=root, send_counts=counts, timeout=timeout,
                          algo=algo, async_op=async_op)
 
-    def alltoall(self, x, *, out=None, timeout=None, algo=None, async_op=False):
+    def alltoall(self, x: ArrayLike, *, out: Optional[ArrayLike] = None, timeout: Optional[float] = None, algo: Optional[str] = None,
+                 async_op: bool = False) -> Result:
         """Block j of x goes to rank j; block i of the result came from rank i."""
         w = "alltoall"
         a = as_input(x, w)
@@ -277,7 +299,8 @@ class Communicator:
         o = self._out(out, a, a.size, w, a.shape)
         return self._run(w, separate(a, o), o, core_dtype(a.dtype), o, timeout=timeout, algo=algo, async_op=async_op)
 
-    def alltoall_v(self, x, send_counts, recv_counts, *, out=None, timeout=None, algo=None, async_op=False):
+    def alltoall_v(self, x: ArrayLike, send_counts: Sequence[int], recv_counts: Sequence[int], *,
+                   out: Optional[ArrayLike] = None, timeout: Optional[float] = None, algo: Optional[str] = None, async_op: bool = False) -> Result:
         """Uneven alltoall: send_counts[j] elements of x go to rank j, recv_counts[i] come from rank i."""
         w = "alltoall_v"
         a = as_input(x, w)
@@ -288,13 +311,14 @@ class Communicator:
         return self._run("alltoall", separate(a, o), o, core_dtype(a.dtype), o, send_counts=send_counts,
                          recv_counts=recv_counts, timeout=timeout, algo=algo, async_op=async_op)
 
-    def barrier(self, *, timeout=None, async_op=False):
+    def barrier(self, *, timeout: Optional[float] = None, async_op: bool = False) -> Optional[Work]:
         self._prune()
         work = Work(self._comm.barrier(timeout=_timeout(timeout, "barrier"), inline=not async_op), (), None)
         return self._finish(work, async_op)
 
     # -- point to point --------------------------------------------------------------------------
-    def send(self, x, dst, tag=0, *, timeout=None, async_op=False):
+    def send(self, x: ArrayLike, dst: int, tag: int = 0, *, timeout: Optional[float] = None,
+             async_op: bool = False) -> Optional[Work]:
         a = as_input(x, "send")
         dst = self._peer(dst, "send", "dst")
         tag = _tag(tag, "send")
@@ -303,7 +327,8 @@ class Communicator:
                             inline=not async_op)
         return self._finish(Work(w, (a,), None), async_op)
 
-    def recv(self, out, src=None, tag=0, *, timeout=None, async_op=False):
+    def recv(self, out: ArrayLike, src: Optional[int] = None, tag: int = 0, *, timeout: Optional[float] = None,
+             async_op: bool = False) -> Any:
         """Receives into out; returns the source rank (src=None: from any rank). Async: the Work's
         source() tells the sender."""
         o = as_output(out, "recv")
@@ -319,11 +344,11 @@ class Communicator:
         return work.source()
 
     # -- lifetime --------------------------------------------------------------------------------
-    def abort(self, reason="abort() called"):
+    def abort(self, reason: str = "abort() called") -> None:
         """Ends every in-flight operation (with AbortedError) within about a second; any thread."""
         self._comm.abort(reason)
 
-    def close(self):
+    def close(self) -> None:
         """Releases threads and sockets. Idempotent."""
         self._comm.close()
         still = []
@@ -335,10 +360,10 @@ class Communicator:
                 pass
         self._pending = still
 
-    def __enter__(self):
+    def __enter__(self) -> Communicator:
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: Any) -> None:
         self.close()
 
     # -- plumbing --------------------------------------------------------------------------------

@@ -1,13 +1,16 @@
 """Building a Communicator from the environment torchrun (and most launchers) set."""
 
+from __future__ import annotations
+
 import datetime
 import os
+from typing import Any
 
 from ._core import ConfigError
 from .comm import Communicator
 
 
-def init_from_env(*, store_timeout=300.0, **kwargs):
+def init_from_env(*, store_timeout: float = 300.0, **kwargs: Any) -> Communicator:
     """A Communicator for RANK of WORLD_SIZE, meeting through a torch TCPStore at
     MASTER_ADDR:MASTER_PORT that rank 0 serves. kwargs go to Communicator (timeout, group, epoch,
     algo)."""

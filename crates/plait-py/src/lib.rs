@@ -509,17 +509,20 @@ fn add_tables(m: &Bound<'_, PyModule>) -> PyResult<()> {
     Ok(())
 }
 
+/// The core's logs on stderr: `PLAIT_DEBUG`'s level (errors only when unset), coloured only when
+/// stderr is a terminal, so that a log file gets plain text.
 fn init_logging() {
-    if let Some(level) = plait_core::setting("PLAIT_DEBUG") {
-        let filter = tracing_subscriber::EnvFilter::try_new(format!("plait_core={}", level.to_lowercase()))
-            .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("plait_core=info"));
-        let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init();
-    } else {
-        let _ = tracing_subscriber::fmt()
-            .with_env_filter(tracing_subscriber::EnvFilter::new("plait_core=error"))
-            .with_writer(std::io::stderr)
-            .try_init();
-    }
+    use std::io::IsTerminal;
+    let filter = match plait_core::setting("PLAIT_DEBUG") {
+        Some(level) => tracing_subscriber::EnvFilter::try_new(format!("plait_core={}", level.to_lowercase()))
+            .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("plait_core=info")),
+        None => tracing_subscriber::EnvFilter::new("plait_core=error"),
+    };
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_ansi(std::io::stderr().is_terminal())
+        .with_writer(std::io::stderr)
+        .try_init();
 }
 
 #[pymodule]

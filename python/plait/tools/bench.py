@@ -22,6 +22,7 @@ import sys
 import tempfile
 import time
 from .._store import tcp_store
+from ._jsonout import add_json_option, to_stdout, write_json
 from ._local import free_port as _free_port, kill_group, popen_kwargs
 
 OPS = ("allreduce", "allgather", "reduce_scatter", "broadcast", "alltoall", "sendrecv")
@@ -67,7 +68,8 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
     p.add_argument("-f", "--stepfactor", type=float, default=2.0, help="size multiplier between steps (default 2)")
     p.add_argument("-n", "--iters", type=int, default=20, help="timed iterations per size (default 20)")
     p.add_argument("-w", "--warmup", type=int, default=5, help="untimed iterations per size (default 5)")
-    p.add_argument("-c", "--check", type=int, default=1, help="1: verify results after timing (default), 0: skip")
+    p.add_argument("-c", "--check", type=int, choices=(0, 1), default=1,
+                   help="1: verify results after timing (default), 0: skip")
     p.add_argument("--op", choices=OPS, default="allreduce")
     p.add_argument("--dtype", choices=DTYPES, default="f32")
     p.add_argument("--wire", choices=("native", "bf16", "f16", "int8"), default=None,
@@ -77,12 +79,33 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
                         "floor: each rank streams the bytes a ring allreduce moves, 2(n-1)/n * S, to its neighbour "
                         "over plain TCP while receiving as much, with no reduction and no copies")
     p.add_argument("--nproc", type=int, default=None, help="local ranks to spawn (default 2; ignored under torchrun)")
-    p.add_argument("--json", metavar="FILE", help="also write every figure as JSON")
+    add_json_option(p, help="write every figure as JSON to PATH; `--json -` (or --json alone) to stdout instead of "
+                    "the tables")
     p.add_argument("--plot", metavar="FILE.png", help="busbw and latency against size, a line per backend")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds before the whole run is abandoned")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     return p
+
+
+def check_args(parser: argparse.ArgumentParser, args) -> None:
+    """Refuses (usage error, exit 2) what the parser lets through but no sweep can run: an empty
+    range of sizes, a factor that never grows the size, no timed iterations, no ranks."""
+    if args.minbytes > args.maxbytes:
+        parser.error(f"-b/--minbytes {_human(args.minbytes)} is above -e/--maxbytes {_human(args.maxbytes)}: "
+                     "no size to measure")
+    if not args.stepfactor > 1:
+        parser.error(f"-f/--stepfactor {args.stepfactor:g} must be above 1 (each size is the previous one times it)")
+    if args.iters < 1:
+        parser.error(f"-n/--iters {args.iters} must be at least 1")
+    if args.warmup < 0:
+        parser.error(f"-w/--warmup {args.warmup} must be 0 or more")
+    if args.nproc is not None and args.nproc < 1:
+        parser.error(f"--nproc {args.nproc} must be at least 1")
+    if not args.timeout > 0:
+        parser.error(f"--timeout {args.timeout:g} must be above 0 seconds")
+    if not [b for b in args.backend.split(",") if b.strip()]:
+        parser.error(f"--backend {args.backend!r}: name at least one backend, e.g. plait,gloo")
 
 
 # ---------------------------------------------------------------- rank side
@@ -313,9 +336,15 @@ def _human(b: int) -> str:
 
 
 def report(payload: dict, args) -> None:
-    from rich.console import Console
-    from rich.table import Table
+    """The tables on stdout (and the JSON written to --json PATH), or with `--json -` the JSON
+    alone on stdout."""
+    from ._ui import Console, Table
 
+    if to_stdout(args.json):
+        write_json(args.json, payload)
+        if args.plot:
+            plot(payload, args.plot)
+        return
     console = Console(width=max(Console().width, 100))
     backends = payload["backends"]
     n = payload["world_size"]
@@ -360,8 +389,7 @@ def report(payload: dict, args) -> None:
     console.print("algbw and busbw in GB/s (1e9 bytes); p50/p99: each rank's own percentiles, the slowest rank's shown;"
                   " mean: loop time / iterations (back-to-back calls), the slowest rank's.")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(payload, f, indent=1)
+        write_json(args.json, payload)
         console.print(f"wrote {args.json}")
     if args.plot:
         plot(payload, args.plot)
@@ -395,7 +423,7 @@ def plot(payload: dict, path: str) -> None:
 
 def launch(args) -> int:
     """Spawns the local ranks, shows progress, prints rank 0's report."""
-    from rich.progress import Progress
+    from ._ui import Console, Progress
 
     n = args.nproc or 2
     port = _free_port()
@@ -409,7 +437,7 @@ def launch(args) -> int:
             cmd = [sys.executable, "-m", "plait.tools.bench", "--worker", "--out", out, *argv]
             procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE if r == 0 else subprocess.DEVNULL,
                                           text=True, **popen_kwargs()))
-        with Progress(transient=True) as bar:
+        with Progress(transient=True, console=Console(stderr=to_stdout(args.json))) as bar:
             task = bar.add_task("measuring", total=None)
             for line in procs[0].stdout:
                 if line.startswith("PROGRESS"):
@@ -449,7 +477,10 @@ def run(args) -> int:
 
 
 def main(argv=None) -> int:
-    return run(build_parser().parse_args(argv))
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    check_args(parser, args)
+    return run(args)
 
 
 if __name__ == "__main__":

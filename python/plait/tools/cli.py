@@ -4,6 +4,8 @@ import argparse
 import signal
 import sys
 
+from ._jsonout import add_json_option
+
 
 def _testbed_parsers(sub):
     tb = sub.add_parser("testbed", help="a direct-cabled mesh of network namespaces on this machine (root)",
@@ -28,7 +30,8 @@ def _testbed_parsers(sub):
     run.add_argument("--env", action="append", default=[], metavar="K=V", help="extra environment variable")
     run.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD ARGS...")
     status = tsub.add_parser("status", help="list the testbeds that are up and their addresses")
-    status.add_argument("--json", action="store_true")
+    add_json_option(status, help="write the testbeds as JSON to PATH; `--json -` (or --json alone) to stdout "
+                    "instead of the table")
     return tb
 
 
@@ -79,9 +82,9 @@ def _sigterm_as_exit():
 
 
 def _testbed(args, parser):
-    from rich.console import Console
-
     from . import testbed as T
+    from ._jsonout import to_stdout, write_json
+    from ._ui import Console
 
     console = Console(stderr=True, highlight=False)
     why = T.not_linux()
@@ -105,10 +108,10 @@ def _testbed(args, parser):
         if args.tb_command == "status":
             beds = T.list_testbeds()
             if args.json:
-                import json
-
-                print(json.dumps(beds, indent=1))
-            elif beds:
+                write_json(args.json, beds)
+            if to_stdout(args.json):
+                return 0
+            if beds:
                 _print_status(beds, Console(highlight=False))
             else:
                 console.print("no testbed is up")
@@ -150,8 +153,7 @@ def _name_opt(args):
 
 
 def _print_status(beds, console):
-    from rich.table import Table
-
+    from ._ui import Table
     from .testbed import format_rate
 
     for d in beds:
@@ -174,7 +176,7 @@ def main(argv=None):
     demo = sub.add_parser("demo", help="run every collective on a few local ranks, then an allreduce sweep")
     demo.add_argument("--nproc", type=int, default=3, help="number of local ranks (default 3, at least 2)")
     demo.add_argument("--quick", action="store_true", help="smaller sweep and reference transfer")
-    demo.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    add_json_option(demo)
     demo.add_argument("--no-mesh", action="store_true", help="skip the act on a mesh testbed (root only)")
     doctor = sub.add_parser("doctor", help="interfaces, routes, RTT and bandwidth between the ranks, and what is wrong",
                             description="Run once per rank like the job (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT "
@@ -190,6 +192,9 @@ def main(argv=None):
 
     bench_arguments(bench)
     _testbed_parsers(sub)
+    from .trace import add_arguments as trace_arguments
+
+    trace_arguments(sub.add_parser("trace", help="read the traces every rank writes on a timeout or failure"))
     args = parser.parse_args(argv)
     if args.version:
         import plait
@@ -207,11 +212,16 @@ def main(argv=None):
 
         return doctor_main(args)
     if args.command == "bench":
-        from .bench import run as bench_run
+        from .bench import check_args, run as bench_run
 
+        check_args(bench, args)
         return bench_run(args)
     if args.command == "testbed":
         return _testbed(args, parser)
+    if args.command == "trace":
+        from .trace import main as trace_main
+
+        return trace_main(args)
     parser.print_help()
     return 2
 

@@ -2,7 +2,6 @@
 then an allreduce size sweep, and print what happened next to a raw TCP stream measured in the same
 run. The ranks are `python -m plait.tools.demo --worker` processes (see _demo_worker.py)."""
 
-import json
 import os
 import queue
 import subprocess
@@ -12,19 +11,20 @@ import threading
 import time
 from statistics import median
 
-from rich.console import Console
-from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-from rich.table import Table
 from .._store import tcp_store
+from ._jsonout import to_stdout, write_json
 from ._local import kill_group, popen_kwargs, read_json_lines as _read
+from ._ui import BarColumn, Console, Progress, SpinnerColumn, Table, TextColumn, TimeElapsedColumn
 
 LIMIT = 150.0  # seconds before the demo gives up on its ranks
 
 
 def run(nproc=3, quick=False, json_path=None, console=None, mesh=True):
     """Runs the demo; returns the exit status (0 when every check passed). With `mesh` (the
-    default), it then runs the mesh act when it can build the testbed (root, `ip netns`)."""
-    console = console or Console()
+    default), it then runs the mesh act when it can build the testbed (root, `ip netns`). With
+    `json_path` "-" the summary goes to stdout as JSON instead of the tables, the rest to stderr."""
+    console = console or Console(stderr=to_stdout(json_path))
+    tables = Console(quiet=True) if to_stdout(json_path) else console
     try:
         import datetime
 
@@ -60,13 +60,12 @@ def run(nproc=3, quick=False, json_path=None, console=None, mesh=True):
                       + (" (killed after the time limit)" if timed_out else "") + ":")
         for line in tail:
             console.print(f"  {line}", markup=False, highlight=False)
-    summary = _report(console, nproc, results)
+    summary = _report(tables, nproc, results)
     if mesh:
         summary["mesh"] = mesh_act(console)
         summary["failed"] += bool(summary["mesh"] and summary["mesh"].get("failed"))
     if json_path:
-        with open(json_path, "w") as f:
-            json.dump(summary, f, indent=2)
+        write_json(json_path, summary, indent=2)
     if failed_ranks:
         console.print(f"[bold red]{len(failed_ranks)} of {nproc} ranks failed")
     elif summary["failed"]:

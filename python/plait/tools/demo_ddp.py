@@ -142,7 +142,7 @@ def _run_backend(backend, nproc, steps, batch, on_step, wire=None):
 def run_ddp_act(console, nproc=3, steps=30, batch=96):
     """The DDP act of `plait demo`. Returns a summary dict (`ok` is True when both runs finished
     and their losses agree)."""
-    from rich.table import Table
+    from ._ui import Table
 
     try:
         import torch  # noqa: F401
@@ -216,7 +216,7 @@ def run_wire_check(console, wire, nproc=3, steps=60, batch=96, tail=10):
     """Trains with plait twice, float32 wire then `wire`, and compares the losses. Returns a
     summary dict; `ok` when both runs learn (the loss at least halves) and the mean loss of the
     last `tail` steps agrees within 2 %."""
-    from rich.table import Table
+    from ._ui import Table
 
     runs = {}
     for w in ("native", wire):
@@ -260,7 +260,7 @@ def main(argv=None):
     if a.worker:
         _worker(a)
         return 0
-    from rich.console import Console
+    from ._ui import Console
 
     if a.wire:
         s = run_wire_check(Console(), a.wire, nproc=a.nproc, steps=a.steps, batch=a.batch)

@@ -14,7 +14,8 @@ doctor`, or `plait doctor --local 3` (3 ranks on this machine). Rank 0 prints:
   goes through the OS routing table), a partial mesh, loopback-only addresses in a multi-host
   job, and peers that cannot be reached (exit status 1, naming them).
 
-`--json` prints the same content as JSON. Every wait is bounded (`--timeout`); measurements take a
+`--json PATH` writes the same content as JSON to PATH; `--json -` (or `--json` alone) prints it on
+stdout instead of the tables. Every wait is bounded (`--timeout`); measurements take a
 few seconds in all (`--budget` seconds per bandwidth measurement).
 """
 
@@ -33,6 +34,7 @@ import time
 import traceback
 from . import _thunderbolt
 from .._store import tcp_store
+from ._jsonout import add_json_option, to_stdout, write_json
 from ._local import free_port as _free_port, popen_kwargs, stop_all
 
 import numpy as np
@@ -340,9 +342,10 @@ def _open_store(rank, n, master_addr, master_port, timeout):
     return DoctorStore(master_addr, master_port, rank == 0, timeout)
 
 
-def run_rank(rank, n, master_addr, master_port, *, timeout=30.0, budget=0.25, bandwidth=True, as_json=False,
+def run_rank(rank, n, master_addr, master_port, *, timeout=30.0, budget=0.25, bandwidth=True, json_path=None,
              console=None):
-    """One rank of the doctor. Rank 0 prints the report. Returns the exit status."""
+    """One rank of the doctor. Rank 0 prints the report (and writes it to `json_path`: "-" is
+    stdout, instead of the tables). Returns the exit status."""
     t_start = time.monotonic()
     try:
         raw = _open_store(rank, n, master_addr, master_port, timeout)
@@ -415,9 +418,9 @@ def run_rank(rank, n, master_addr, master_port, *, timeout=30.0, budget=0.25, ba
                 missing.append(r)
     report = build_report(n, infos, measures, sorted(missing), master_addr=master_addr, master_port=master_port,
                           elapsed=time.monotonic() - t_start, budget=budget)
-    if as_json:
-        print(json.dumps(report, indent=1))
-    else:
+    if json_path:
+        write_json(json_path, report)
+    if not to_stdout(json_path):
         print_report(report, console)
     for r in range(1, n):
         if r not in missing:
@@ -685,8 +688,7 @@ def _fmt_rate(g):
 
 
 def print_report(rep, console=None):
-    from rich.console import Console
-    from rich.table import Table
+    from ._ui import Console, Table
 
     console = console or Console(width=max(120, Console().width))
     n = rep["world_size"]
@@ -790,7 +792,8 @@ def run_local(n, args_list, timeout):
 def add_arguments(p):
     p.add_argument("--local", type=int, metavar="N", help="start N ranks on this machine (loopback) instead of "
                    "reading RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT")
-    p.add_argument("--json", action="store_true", help="print the report as JSON (rank 0)")
+    add_json_option(p, help="write the report as JSON to PATH (rank 0); `--json -` (or --json alone) prints it on "
+                    "stdout instead of the tables")
     p.add_argument("--timeout", type=float, default=30.0, help="seconds for connecting and for every measurement "
                    "step (default 30)")
     p.add_argument("--budget", type=float, default=0.25, help="seconds per bandwidth measurement (default 0.25)")
@@ -802,7 +805,7 @@ def main(args):
         if args.local < 2:
             print("plait doctor: --local needs at least 2 ranks", file=sys.stderr)
             return 2
-        rest = (["--json"] if args.json else []) + ["--timeout", str(args.timeout), "--budget", str(args.budget)] \
+        rest = (["--json", args.json] if args.json else []) + ["--timeout", str(args.timeout), "--budget", str(args.budget)] \
             + (["--no-bandwidth"] if args.no_bandwidth else [])
         return run_local(args.local, rest, args.timeout * 3 + 30)
     env = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
@@ -822,7 +825,7 @@ def main(args):
         return 2
     try:
         return run_rank(rank, n, env["MASTER_ADDR"], port, timeout=args.timeout, budget=args.budget,
-                        bandwidth=not args.no_bandwidth, as_json=args.json)
+                        bandwidth=not args.no_bandwidth, json_path=args.json)
     except KeyboardInterrupt:
         return 130
     except Exception as e:

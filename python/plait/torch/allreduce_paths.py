@@ -26,7 +26,7 @@ def small_allreduce(g, t, opts):
     allreduce's cost. None: not that case, take the general path (which gives the same result)."""
     if (g.closed or type(opts) is not dist.AllreduceOptions or opts.asyncOp is not False
             or not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.device.type != "cpu"
-            or not t.is_contiguous() or g.opts.force_staging or g.opts.inline == "never"):
+            or not t.is_contiguous() or g.opts.force_staging or g.opts.inline == "never" or g.check is not None):
         return None
     dt = _SMALL_DTYPES.get(t.dtype)
     op = _SMALL_OPS.get(getattr(opts.reduceOp, "op", None))
@@ -44,11 +44,18 @@ def small_allreduce(g, t, opts):
     else:
         wire = None
     p = t.data_ptr() if nbytes else 0
+    rec = g.trace.begin("all_reduce", opts, (t,), (t,)) if g.trace is not None else None
     try:
         w = g.comm.collective("allreduce", p, nbytes, p, nbytes, dt, op, timeout=g.op_timeout(opts.timeout), inline=True, wire=wire)
     except PlaitError as e:
-        raise torch_error(e, g.context()) from None
-    return g.work([w], [t], None, "all_reduce", (t,))
+        err = torch_error(e, g.context())
+        if rec is not None:
+            rec.end(err)
+        raise err from None
+    w = g.work([w], [t], None, "all_reduce", (t,))
+    if rec is not None:
+        rec.started(w)
+    return w
 
 
 def sparse_allreduce(g, t, opts):

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from .. import _core
 from .._core import BrokenError, PlaitError
+from . import debug
 from . import staging as stg
 from .staging import HostPool, Staged
 from .work import Completer, PlaitWork, seconds, torch_error
@@ -74,6 +75,7 @@ class Group:
         # bit-identical on every rank); other float reductions are cast to `wire` here (no int8).
         self.wire_name = opts.wire_dtype
         self.wire = stg.WIRE_DTYPE.get(opts.wire_dtype)
+        self.trace, self.check = debug.attach(self)  # the recorder (plait trace) and the DETAIL check, or None
         _GROUPS.add(self)
 
     def op_timeout(self, timeout):
@@ -169,6 +171,7 @@ class Group:
             if self.closed:
                 return
             self.closed = True
+        debug.detach(self)
         try:
             if abort_reason is not None:
                 self.comm.abort(abort_reason)
@@ -194,9 +197,12 @@ def issue(g, name, what, opts, outputs, inputs, plan):
     has started waits (bounded) for those that did, frees the staging memory and raises in torch's
     form. `name` is the group's c10d name, `what` the call's, for messages."""
     g.check_open(name)
+    rec = g.trace.begin(what, opts, inputs, outputs) if g.trace is not None else None
     st = Staged(g.pool, g.opts.force_staging)
     parts = []
     try:
+        if g.check is not None:
+            g.check.run(what, opts, inputs, outputs)  # TORCH_DISTRIBUTED_DEBUG=DETAIL: raises on every rank
         ops = plan(st)
         inline = g.runs_inline(opts, ops)
         timeout = g.op_timeout(getattr(opts, "timeout", None))
@@ -206,11 +212,18 @@ def issue(g, name, what, opts, outputs, inputs, plan):
         _abandon(parts, st)
         err = torch_error(e, g.context())
         err.plait_started = bool(parts)  # part of the call is under way: not a refusal
+        if rec is not None:
+            rec.end(err)
         raise err from None
-    except BaseException:
+    except BaseException as e:
         _abandon(parts, st)
+        if rec is not None:
+            rec.end(e)
         raise
-    return g.work(parts, outputs, st, what, inputs)
+    w = g.work(parts, outputs, st, what, inputs)
+    if rec is not None:
+        rec.started(w)
+    return w
 
 
 def _abandon(parts, st):

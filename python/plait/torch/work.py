@@ -92,6 +92,7 @@ class PlaitWork(dist.Work):
         self._source = -1
         self._extra = []
         self._extra_threads = []
+        self._pl_trace = None  # this op's entry in the group's trace (trace.Entry), ended at settle
 
     # -- internals ---------------------------------------------------------------------------
 
@@ -153,6 +154,9 @@ class PlaitWork(dist.Work):
             self._settled = True
         if self._extra:
             self._flush_extra()
+        trace, self._pl_trace = self._pl_trace, None
+        if trace is not None:
+            trace.end(self._error)
 
     def _settle_if_complete(self):
         if self._settled:

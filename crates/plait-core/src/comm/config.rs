@@ -123,6 +123,18 @@ pub const SETTINGS: &[Setting] = &[
         default: "shared",
         doc: "torch: shared: a group over ranks of an existing plait group (new_group, DeviceMesh) uses its connections (nearly free to create); own: it opens and probes its own.",
     },
+    Setting {
+        name: "PLAIT_TRACE_ENTRIES",
+        kind: "count",
+        default: "2000",
+        doc: "torch: operations each group keeps in its trace (plait trace; dumped on a failure); 0 turns the trace off.",
+    },
+    Setting {
+        name: "PLAIT_TRACE_DIR",
+        kind: "text",
+        default: "<temp dir>/plait-trace",
+        doc: "torch: where every rank writes its trace (plait_trace_rank_<R>.json, and fr_rank_<R> for torch's fr_trace) on a timeout or failure.",
+    },
 ];
 
 #[derive(Clone, Debug)]

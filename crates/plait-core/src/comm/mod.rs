@@ -333,7 +333,7 @@ impl Communicator {
         if self.session.broken().is_none() {
             self.session.broadcast_control(FrameKind::Close, String::new(), Duration::from_secs(1));
         }
-        self.session.fail(PlaitError::Broken("the communicator was closed".into()), false);
+        self.session.close(PlaitError::Broken("the communicator was closed".into()));
         self.workers.close();
         if self.owner.is_some() {
             self.session.groups.unregister(self.session.group);

@@ -255,6 +255,17 @@ impl Session {
 
     /// Like `fail`, telling the peers `reason` (which may name another rank as the reporter).
     pub fn fail_with(&self, err: PlaitError, reason: Option<AbortReason>) -> PlaitError {
+        self.end(err, reason, false)
+    }
+
+    /// Ends the session at a clean close, as `fail` does (every link shut, later calls refused
+    /// with `err`), telling the peers nothing and logging it as the normal end it is, not as a
+    /// failure (unless the session had already failed).
+    pub fn close(&self, err: PlaitError) -> PlaitError {
+        self.end(err, None, true)
+    }
+
+    fn end(&self, err: PlaitError, reason: Option<AbortReason>, closing: bool) -> PlaitError {
         {
             let mut b = self.broken.lock();
             if let Some(first) = b.as_ref() {
@@ -262,7 +273,11 @@ impl Session {
             }
             *b = Some(err.clone());
         }
-        tracing::warn!(rank = self.rank, group = self.group, "communicator failed: {err}");
+        if closing {
+            tracing::debug!(rank = self.rank, group = self.group, "communicator closed");
+        } else {
+            tracing::warn!(rank = self.rank, group = self.group, "communicator failed: {err}");
+        }
         self.mailbox.fail(&err);
         if !self.owns_links() {
             // The links stay up for the owner and the other groups; the peers' copies of this

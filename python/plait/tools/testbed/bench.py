@@ -23,9 +23,8 @@ import statistics
 import sys
 import time
 
-from rich.console import Console
-from rich.table import Table
-
+from .._jsonout import add_json_option, to_stdout, write_json
+from .._ui import Console, Table
 from . import Testbed, TestbedError, check_can_build, format_rate, node_addr, parse_rate
 
 _NOISE = ("hostname of the client socket cannot be retrieved",)
@@ -135,10 +134,10 @@ def main(argv=None):
     p.add_argument("--timeout", type=float, default=180, help="seconds per measurement")
     p.add_argument("--no-gloo-default", action="store_true", help="skip gloo over the LAN (the slowest part)")
     p.add_argument("--no-gloo", action="store_true", help="plait only")
-    p.add_argument("--json", metavar="PATH")
+    add_json_option(p)
     p.add_argument("--name", default="plaitbench")
     args = p.parse_args(argv)
-    console = Console(width=max(130, Console().width))
+    console = Console(width=max(130, Console().width), stderr=to_stdout(args.json))
     why = check_can_build()
     if why:
         console.print(f"[red]cannot run the mesh benchmark: {why}")
@@ -162,12 +161,12 @@ def main(argv=None):
     except TestbedError as e:
         console.print(f"[red]{e}")
         return 2
-    report(results, console)
+    if not to_stdout(args.json):
+        report(results, console)
     console.print(f"[dim]{time.monotonic() - t0:.0f} s in all; command: python -m plait.tools.testbed.bench "
                   + " ".join(argv if argv is not None else sys.argv[1:]), highlight=False)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"command": sys.argv, "results": results}, f, indent=1)
+        write_json(args.json, {"command": sys.argv, "results": results})
     return 0 if all(r["ok"] for w in results for r in w["runs"]) else 1
 
 

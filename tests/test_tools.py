@@ -1,0 +1,117 @@
+"""The `plait` tools as a user runs them: arguments that cannot work are usage errors, `--json`
+means the same in every tool (PATH writes a file, `-` writes stdout and nothing else goes there),
+and every tool works without rich (plain text)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+CLI = [sys.executable, "-m", "plait.tools.cli"]
+BOX = set("│┃━─┏┡└┼╇")  # rich's table borders
+
+
+def _plait(args, *, timeout=120, no_rich=None, cwd=None):
+    env = dict(os.environ, COLUMNS="120")
+    if no_rich is not None:  # a `rich` module that cannot be imported, in this process and its children
+        no_rich.mkdir(exist_ok=True)
+        (no_rich / "rich.py").write_text("raise ImportError('rich is hidden for this test')\n")
+        env["PYTHONPATH"] = os.pathsep.join([str(no_rich)] + [p for p in [os.environ.get("PYTHONPATH")] if p])
+    return subprocess.run(CLI + args, capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd)
+
+
+@pytest.mark.parametrize("args, says", [
+    (["-b", "64", "-e", "8"], "-b/--minbytes 64 is above -e/--maxbytes 8"),
+    (["-b", "1M", "-e", "64K"], "-b/--minbytes 1M is above -e/--maxbytes 64K"),
+    (["-f", "1"], "-f/--stepfactor 1 must be above 1"),
+    (["-f", "0.5"], "-f/--stepfactor 0.5 must be above 1"),
+    (["-n", "0"], "-n/--iters 0 must be at least 1"),
+    (["-w", "-1"], "-w/--warmup -1 must be 0 or more"),
+    (["--nproc", "0"], "--nproc 0 must be at least 1"),
+    (["--timeout", "0"], "--timeout 0 must be above 0"),
+    (["-c", "2"], "argument -c/--check: invalid choice: 2"),
+])
+def test_bench_refuses_arguments_no_sweep_can_run(args, says):
+    proc = _plait(["bench"] + args, timeout=60)
+    assert proc.returncode == 2, (proc.returncode, proc.stdout[-2000:], proc.stderr[-2000:])
+    assert "usage: " in proc.stderr and "plait bench: error: " + says in proc.stderr, proc.stderr
+    assert not proc.stdout  # no (empty) table
+
+
+def test_doctor_json_to_stdout_or_a_file_and_no_direct_link_warning_on_one_host(tmp_path):
+    """Two ranks on one host share every subnet; loopback is their route, not a fallback from a
+    'direct link'. `--json -` (and `--json` alone, as before) print the report as JSON alone on
+    stdout; `--json PATH` writes it there and prints the tables as usual."""
+    for flag in (["--json", "-"], ["--json"]):
+        proc = _plait(["doctor", "--local", "2", "--no-bandwidth"] + flag)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        rep = json.loads(proc.stdout)  # the whole of stdout
+        assert rep["world_size"] == 2 and len(rep["routes"]) == 2, rep
+        assert not [w for w in rep["warnings"] if w["code"] == "lan_fallback" or "direct" in w["message"]], \
+            rep["warnings"]
+    path = tmp_path / "doctor.json"
+    proc = _plait(["doctor", "--local", "2", "--no-bandwidth", "--json", str(path)])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "Routes" in proc.stdout and "direct" not in proc.stdout, proc.stdout
+    assert json.loads(path.read_text())["world_size"] == 2
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the testbed is Linux-only")
+def test_testbed_status_json_to_stdout_or_a_file(tmp_path):
+    proc = _plait(["testbed", "status", "--json", "-"], timeout=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    beds = json.loads(proc.stdout)
+    assert isinstance(beds, list)
+    path = tmp_path / "beds.json"
+    proc = _plait(["testbed", "status", "--json", str(path)], timeout=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(path.read_text()) == beds
+
+
+def test_tools_without_rich_print_plain_text(tmp_path):
+    proc = _plait(["doctor", "--local", "2", "--no-bandwidth"], no_rich=tmp_path / "norich")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for text in ("Interfaces", "Routes", "127.0.0.1 -> 127.0.0.1", "Round trip", "no problems found"):
+        assert text in proc.stdout, proc.stdout
+    assert not BOX & set(proc.stdout) and "\x1b" not in proc.stdout and "[bold" not in proc.stdout, proc.stdout
+    proc = _plait(["--help"], no_rich=tmp_path / "norich", timeout=60)
+    assert proc.returncode == 0 and "bench" in proc.stdout, proc.stderr
+
+
+def test_bench_json_to_stdout_without_rich(tmp_path):
+    pytest.importorskip("torch")
+    args = ["bench", "--backend", "plait,gloo", "-b", "8", "-e", "64", "-f", "8", "-n", "2", "-w", "0", "--nproc", "2",
+            "--timeout", "120"]
+    proc = _plait(args + ["--json", "-"], no_rich=tmp_path / "norich", timeout=180)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads(proc.stdout)  # the whole of stdout: no table
+    assert data["backends"] == ["plait", "gloo"] and {r["size"] for r in data["results"]} == {8, 64}
+    assert all(r["wrong"] == 0 for r in data["results"]), data
+    # With a file: the tables, in plain text, and the file.
+    path = tmp_path / "bench.json"
+    proc = _plait(args + ["--json", str(path)], no_rich=tmp_path / "norich", timeout=180)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "ratios against gloo" in proc.stdout and not BOX & set(proc.stdout), proc.stdout
+    assert json.loads(path.read_text())["backends"] == ["plait", "gloo"]
+
+
+def test_demo_json_to_stdout_without_rich(tmp_path):
+    """`pip install plait` without extras gets no rich: the demo still runs, in plain text. With
+    `--json -` its summary is all of stdout; progress and the verdict go to stderr."""
+    pytest.importorskip("torch")  # the demo's ranks meet through torch's TCPStore
+    proc = _plait(["demo", "--quick", "--no-mesh", "--json", "-"], no_rich=tmp_path / "norich", timeout=170)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads(proc.stdout)
+    assert summary["failed"] == 0 and len(summary["collectives"]) >= 14 and summary["sweep"]
+    assert "all checks passed" in proc.stderr and "\x1b" not in proc.stderr, proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("command", [["demo"], ["bench"], ["doctor"], ["testbed", "status"], ["trace", "show"]])
+def test_every_command_takes_json_path_or_dash(command):
+    """One `--json` everywhere: an optional PATH, `-` (or nothing) meaning stdout."""
+    proc = _plait(command + ["--help"], timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    text = " ".join(proc.stdout.split())
+    assert "--json [PATH]" in text and "`--json -` (or --json alone)" in text, proc.stdout
