@@ -9,6 +9,7 @@ import torch.distributed as dist
 from .. import _core
 from .._core import PlaitError
 from . import staging as stg
+from . import trace
 from .arguments import OPS, reduce_op
 from .engine import Op, profiling
 from .staging import invalid
@@ -44,17 +45,18 @@ def small_allreduce(g, t, opts):
     else:
         wire = None
     p = t.data_ptr() if nbytes else 0
-    rec = g.trace.begin("all_reduce", opts, (t,), (t,)) if g.trace is not None else None
+    ts = (t,)
+    rec = g.trace.begin("all_reduce", opts, ts, ts) if g.trace is not None else None
     try:
         w = g.comm.collective("allreduce", p, nbytes, p, nbytes, dt, op, timeout=seconds(opts.timeout), inline=True, wire=wire)
     except PlaitError as e:
         err = torch_error(e, g.context())
         if rec is not None:
-            rec.end(err)
+            trace.end(rec, err)
         raise err from None
     w = g.work([w], [t], None, "all_reduce", (t,))
     if rec is not None:
-        rec.started(w)
+        trace.started(rec, w)
     return w
 
 
