@@ -27,7 +27,7 @@ def small_allreduce(g, t, opts):
     allreduce's cost. None: not that case, take the general path (which gives the same result)."""
     if (g.closed or type(opts) is not dist.AllreduceOptions or opts.asyncOp is not False
             or not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.device.type != "cpu"
-            or not t.is_contiguous() or g.opts.force_staging or g.opts.inline == "never" or g.check is not None):
+            or not t.is_contiguous() or g.opts.force_staging or g.opts.inline == "never"):
         return None
     dt = _SMALL_DTYPES.get(t.dtype)
     op = _SMALL_OPS.get(getattr(opts.reduceOp, "op", None))
@@ -48,6 +48,8 @@ def small_allreduce(g, t, opts):
     ts = (t,)
     rec = g.trace.begin("all_reduce", opts, ts, ts) if g.trace is not None else None
     try:
+        if g.check is not None:
+            g.check.run("all_reduce", opts, ts, ts)  # TORCH_DISTRIBUTED_DEBUG=DETAIL: raises on every rank
         w = g.comm.collective("allreduce", p, nbytes, p, nbytes, dt, op, timeout=seconds(opts.timeout), inline=True, wire=wire)
     except PlaitError as e:
         err = torch_error(e, g.context())
