@@ -47,30 +47,34 @@ def detach(g):
         chk.close()
 
 
-# Which tensors gloo's ProcessGroupWrapper compares for each call ("in", "out", "both", or none):
-# those whose shapes must agree on every rank. all_to_all's blocks legitimately differ.
+# Per call: whose shapes must agree on every rank, and whose dtypes and device types ("in", "out",
+# "both" or ""). gloo's wrapper compares the same tensors; where plait accepts what gloo does not,
+# shapes that may differ between ranks are left out: an uneven all_gather's inputs (its output
+# lists agree), a gather's or scatter's one tensor per rank (the root's list sets the sizes), an
+# uneven reduce_scatter's output (its input lists agree), all_to_all's blocks.
 _CHECKED = {
-    "all_reduce": "in", "all_reduce_coalesced": "in", "broadcast": "in", "reduce": "in",
-    "all_gather": "in", "all_gather_coalesced": "in", "gather": "in", "gather_into_tensor": "in",
-    "scatter": "out", "reduce_scatter": "out",
-    "all_gather_into_tensor": "both", "all_gather_into_tensor_coalesced": "both",
-    "reduce_scatter_tensor": "both", "reduce_scatter_tensor_coalesced": "both",
-    "all_to_all_single": "", "all_to_all": "", "barrier": "",
+    "all_reduce": ("in", "in"), "all_reduce_coalesced": ("in", "in"), "broadcast": ("in", "in"),
+    "reduce": ("in", "in"), "gather_into_tensor": ("in", "in"),
+    "all_gather": ("out", "both"), "all_gather_coalesced": ("out", "both"),
+    "gather": ("", "in"), "scatter": ("", "out"), "reduce_scatter": ("in", "both"),
+    "all_gather_into_tensor": ("both", "both"), "all_gather_into_tensor_coalesced": ("both", "both"),
+    "reduce_scatter_tensor": ("both", "both"), "reduce_scatter_tensor_coalesced": ("both", "both"),
+    "all_to_all_single": ("", "both"), "all_to_all": ("", "both"), "barrier": ("", ""),
 }
 _ROOTED = ("broadcast", "reduce", "gather", "scatter", "gather_into_tensor")
 
 
-def _tensors(ts):
-    return [[list(t.shape), str(t.dtype).replace("torch.", ""), t.device.type] for t in ts if hasattr(t, "shape")]
+def _tensors(ts, shapes):
+    return [[list(t.shape) if shapes else None, str(t.dtype).replace("torch.", ""), t.device.type]
+            for t in ts if hasattr(t, "shape")]
 
 
 def fingerprint(what, opts, inputs, outputs, seq):
-    which = _CHECKED.get(what, "in")
+    shapes, kinds = _CHECKED.get(what, ("in", "in"))
     fp = {"op": what, "seq": seq}
-    if which in ("in", "both"):
-        fp["inputs"] = _tensors(inputs)
-    if which in ("out", "both"):
-        fp["outputs"] = _tensors(outputs)
+    for key, side, ts in (("inputs", "in", inputs), ("outputs", "out", outputs)):
+        if kinds in (side, "both"):
+            fp[key] = _tensors(ts, shapes in (side, "both"))
     if what in _ROOTED:
         fp["root"] = getattr(opts, "rootRank", None)
     op = getattr(opts, "reduceOp", None)
@@ -84,7 +88,8 @@ def _describe(fp):
     for key in ("inputs", "outputs"):
         if key in fp:
             ts = fp[key]
-            parts.append(f"{key} shapes {[t[0] for t in ts]} dtypes {[t[1] for t in ts]} devices {[t[2] for t in ts]}")
+            shapes = f"shapes {[t[0] for t in ts]} " if ts and ts[0][0] is not None else ""
+            parts.append(f"{key} {shapes}dtypes {[t[1] for t in ts]} devices {[t[2] for t in ts]}")
     if "root" in fp:
         parts.append(f"root {fp['root']}")
     if "reduce_op" in fp:
