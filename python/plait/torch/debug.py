@@ -183,8 +183,10 @@ class DetailCheck:
     def _allgather(self, comm, send, recv, dtype, timeout, what, recv_counts=None):
         """An allgather of bytearrays (no torch call on this path: each costs microseconds)."""
         try:
+            # On the caller's thread only when nothing of the group is in flight (engine.runs_inline's rule:
+            # the links are shared, and an operation left on a core worker must not go unread).
             comm.collective("allgather", _address(send), len(send), _address(recv), len(recv), dtype, timeout=timeout,
-                            inline=True, recv_counts=recv_counts).wait()
+                            inline=self.g.idle(), recv_counts=recv_counts).wait()
         except _core.PlaitError as e:
             raise type(e)(f"plait (TORCH_DISTRIBUTED_DEBUG=DETAIL): the ranks did not all reach {what} "
                           f"#{self.seq} (its fingerprint check): {e}") from None
