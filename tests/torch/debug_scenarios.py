@@ -53,6 +53,9 @@ def scenario_detail(args):
     outs = [torch.zeros(3) for _ in range(WORLD)]
     dist.all_gather(outs, torch.full((3,), float(RANK)))
     ok.append(all(torch.equal(o, torch.full((3,), float(r))) for r, o in enumerate(outs)))
+    outs = [torch.zeros(r + 1) for r in range(WORLD)]  # uneven: rank r gives r + 1 elements
+    dist.all_gather(outs, torch.full((RANK + 1,), float(RANK)))
+    ok.append(all(torch.equal(o, torch.full((r + 1,), float(r))) for r, o in enumerate(outs)))
     big = torch.zeros(3 * WORLD)
     dist.all_gather_into_tensor(big, torch.full((3,), float(RANK)))
     ok.append(torch.equal(big, torch.arange(WORLD).repeat_interleave(3).float()))
@@ -64,6 +67,9 @@ def scenario_detail(args):
     g = [torch.zeros(2) for _ in range(WORLD)] if RANK == 0 else None
     dist.gather(torch.full((2,), float(RANK)), g, dst=0)
     ok.append(RANK != 0 or all(torch.equal(x, torch.full((2,), float(r))) for r, x in enumerate(g)))
+    out = torch.zeros(2)
+    dist.reduce_scatter(out, [torch.full((2,), float(RANK)) for _ in range(WORLD)])
+    ok.append(torch.equal(out, torch.full((2,), float(sum(range(WORLD))))))
     s = torch.zeros(2)
     dist.scatter(s, [torch.full((2,), float(r)) for r in range(WORLD)] if RANK == 0 else None, src=0)
     ok.append(torch.equal(s, torch.full((2,), float(RANK))))

@@ -208,7 +208,8 @@ def _message(res, at, last, by_rank):
         parts.append(f"{_ranks(res['completed'])} completed it")
     for r in res["never_arrived"]:
         e = last[r]
-        parts.append(f"rank {r} never arrived (its last op: {_op(e)}{', ' + e['state'] if e is not None else ''})")
+        parts.append(f"rank {r} never arrived (its last op: {_op(e)}, {e['state']})" if e is not None
+                     else f"rank {r} never arrived (no call of this group in its trace)")
     for r in res["no_trace"]:
         parts.append(f"rank {r} wrote no trace (was it killed? its own log says)")
     if not (res["waiting"] or res["failed"] or res["never_arrived"] or res["no_trace"]):

@@ -9,6 +9,7 @@ import torch.distributed as dist
 from .. import _core
 from .._core import PlaitError
 from . import staging as stg
+from . import trace
 from .arguments import OPS, reduce_op
 from .engine import Op, profiling
 from .staging import invalid
@@ -26,7 +27,7 @@ def small_allreduce(g, t, opts):
     allreduce's cost. None: not that case, take the general path (which gives the same result)."""
     if (g.closed or type(opts) is not dist.AllreduceOptions or opts.asyncOp is not False
             or not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.device.type != "cpu"
-            or not t.is_contiguous() or g.opts.force_staging or g.opts.inline == "never" or g.check is not None):
+            or not t.is_contiguous() or g.opts.force_staging or g.opts.inline == "never"):
         return None
     dt = _SMALL_DTYPES.get(t.dtype)
     op = _SMALL_OPS.get(getattr(opts.reduceOp, "op", None))
@@ -44,17 +45,20 @@ def small_allreduce(g, t, opts):
     else:
         wire = None
     p = t.data_ptr() if nbytes else 0
-    rec = g.trace.begin("all_reduce", opts, (t,), (t,)) if g.trace is not None else None
+    ts = (t,)
+    rec = g.trace.begin("all_reduce", opts, ts, ts) if g.trace is not None else None
     try:
+        if g.check is not None:
+            g.check.run("all_reduce", opts, ts, ts)  # TORCH_DISTRIBUTED_DEBUG=DETAIL: raises on every rank
         w = g.comm.collective("allreduce", p, nbytes, p, nbytes, dt, op, timeout=g.op_timeout(opts.timeout), inline=True, wire=wire)
     except PlaitError as e:
         err = torch_error(e, g.context())
         if rec is not None:
-            rec.end(err)
+            trace.end(rec, err)
         raise err from None
     w = g.work([w], [t], None, "all_reduce", (t,))
     if rec is not None:
-        rec.started(w)
+        trace.started(rec, w)
     return w
 
 

@@ -15,10 +15,11 @@
 `attach(g)` is called by every `engine.Group` when it is made, `detach(g)` at its shutdown.
 """
 
+import ctypes
 import hashlib
 import json
+import struct
 
-import torch
 import torch.distributed as dist
 
 from .. import _core
@@ -46,30 +47,34 @@ def detach(g):
         chk.close()
 
 
-# Which tensors gloo's ProcessGroupWrapper compares for each call ("in", "out", "both", or none):
-# those whose shapes must agree on every rank. all_to_all's blocks legitimately differ.
+# Per call: whose shapes must agree on every rank, and whose dtypes and device types ("in", "out",
+# "both" or ""). gloo's wrapper compares the same tensors; where plait accepts what gloo does not,
+# shapes that may differ between ranks are left out: an uneven all_gather's inputs (its output
+# lists agree), a gather's or scatter's one tensor per rank (the root's list sets the sizes), an
+# uneven reduce_scatter's output (its input lists agree), all_to_all's blocks.
 _CHECKED = {
-    "all_reduce": "in", "all_reduce_coalesced": "in", "broadcast": "in", "reduce": "in",
-    "all_gather": "in", "all_gather_coalesced": "in", "gather": "in", "gather_into_tensor": "in",
-    "scatter": "out", "reduce_scatter": "out",
-    "all_gather_into_tensor": "both", "all_gather_into_tensor_coalesced": "both",
-    "reduce_scatter_tensor": "both", "reduce_scatter_tensor_coalesced": "both",
-    "all_to_all_single": "", "all_to_all": "", "barrier": "",
+    "all_reduce": ("in", "in"), "all_reduce_coalesced": ("in", "in"), "broadcast": ("in", "in"),
+    "reduce": ("in", "in"), "gather_into_tensor": ("in", "in"),
+    "all_gather": ("out", "both"), "all_gather_coalesced": ("out", "both"),
+    "gather": ("", "in"), "scatter": ("", "out"), "reduce_scatter": ("in", "both"),
+    "all_gather_into_tensor": ("both", "both"), "all_gather_into_tensor_coalesced": ("both", "both"),
+    "reduce_scatter_tensor": ("both", "both"), "reduce_scatter_tensor_coalesced": ("both", "both"),
+    "all_to_all_single": ("", "both"), "all_to_all": ("", "both"), "barrier": ("", ""),
 }
 _ROOTED = ("broadcast", "reduce", "gather", "scatter", "gather_into_tensor")
 
 
-def _tensors(ts):
-    return [[list(t.shape), str(t.dtype).replace("torch.", ""), t.device.type] for t in ts if hasattr(t, "shape")]
+def _tensors(ts, shapes):
+    return [[list(t.shape) if shapes else None, str(t.dtype).replace("torch.", ""), t.device.type]
+            for t in ts if hasattr(t, "shape")]
 
 
 def fingerprint(what, opts, inputs, outputs, seq):
-    which = _CHECKED.get(what, "in")
+    shapes, kinds = _CHECKED.get(what, ("in", "in"))
     fp = {"op": what, "seq": seq}
-    if which in ("in", "both"):
-        fp["inputs"] = _tensors(inputs)
-    if which in ("out", "both"):
-        fp["outputs"] = _tensors(outputs)
+    for key, side, ts in (("inputs", "in", inputs), ("outputs", "out", outputs)):
+        if kinds in (side, "both"):
+            fp[key] = _tensors(ts, shapes in (side, "both"))
     if what in _ROOTED:
         fp["root"] = getattr(opts, "rootRank", None)
     op = getattr(opts, "reduceOp", None)
@@ -83,7 +88,8 @@ def _describe(fp):
     for key in ("inputs", "outputs"):
         if key in fp:
             ts = fp[key]
-            parts.append(f"{key} shapes {[t[0] for t in ts]} dtypes {[t[1] for t in ts]} devices {[t[2] for t in ts]}")
+            shapes = f"shapes {[t[0] for t in ts]} " if ts and ts[0][0] is not None else ""
+            parts.append(f"{key} {shapes}dtypes {[t[1] for t in ts]} devices {[t[2] for t in ts]}")
     if "root" in fp:
         parts.append(f"root {fp['root']}")
     if "reduce_op" in fp:
@@ -116,6 +122,11 @@ def _differences(fps):
     return out or ["the call"]
 
 
+def _address(buf):
+    """The address of a bytearray's memory (it must not be resized while the core uses it)."""
+    return ctypes.addressof((ctypes.c_char * len(buf)).from_buffer(buf)) if len(buf) else 0
+
+
 def _ranks(rs):
     return ("rank " if len(rs) == 1 else "ranks ") + ", ".join(map(str, rs))
 
@@ -127,6 +138,8 @@ class DetailCheck:
         self.g = g
         self.seq = 0
         self._comm = None
+        self._head = bytearray(16)  # this rank's (length, digest) of its fingerprint
+        self._heads = bytearray(16 * g.size)  # everyone's
 
     def comm(self):
         if self._comm is None:
@@ -152,28 +165,28 @@ class DetailCheck:
         g = self.g
         timeout = _trace._seconds(getattr(opts, "timeout", None), g.opts.timeout)
         comm = self.comm()
-        head = torch.tensor([len(blob), int.from_bytes(hashlib.blake2b(blob, digest_size=8).digest(), "little", signed=True)],
-                            dtype=torch.int64)
-        heads = torch.empty(2 * g.size, dtype=torch.int64)
-        self._allgather(comm, head, heads, "i64", timeout, what)
-        if len(set(heads.view(g.size, 2)[:, 1].tolist())) == 1:
+        digest = hashlib.blake2b(blob, digest_size=8).digest()
+        mine, alls = self._head, self._heads
+        struct.pack_into("<q8s", mine, 0, len(blob), digest)
+        self._allgather(comm, mine, alls, "i64", timeout, what)
+        if all(alls[i + 8:i + 16] == digest for i in range(0, len(alls), 16)):
             return
-        lens = heads.view(g.size, 2)[:, 0].tolist()
-        mine = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
-        alls = torch.empty(sum(lens), dtype=torch.uint8)
-        self._allgather(comm, mine, alls, "u8", timeout, what, recv_counts=lens)
-        raw = bytes(alls.numpy())
+        lens = [struct.unpack_from("<q", alls, i)[0] for i in range(0, len(alls), 16)]
+        everyone = bytearray(sum(lens))
+        self._allgather(comm, bytearray(blob), everyone, "u8", timeout, what, recv_counts=lens)
         fps, at = [], 0
         for n in lens:
-            fps.append(json.loads(raw[at:at + n]))
+            fps.append(json.loads(bytes(everyone[at:at + n])))
             at += n
         raise _core.MismatchError(self._message(fps))
 
     def _allgather(self, comm, send, recv, dtype, timeout, what, recv_counts=None):
+        """An allgather of bytearrays (no torch call on this path: each costs microseconds)."""
         try:
-            comm.collective("allgather", send.data_ptr(), send.numel() * send.element_size(), recv.data_ptr(),
-                            recv.numel() * recv.element_size(), dtype, timeout=timeout, inline=True,
-                            recv_counts=recv_counts).wait()
+            # On the caller's thread only when nothing of the group is in flight (engine.runs_inline's rule:
+            # the links are shared, and an operation left on a core worker must not go unread).
+            comm.collective("allgather", _address(send), len(send), _address(recv), len(recv), dtype, timeout=timeout,
+                            inline=self.g.idle(), recv_counts=recv_counts).wait()
         except _core.PlaitError as e:
             raise type(e)(f"plait (TORCH_DISTRIBUTED_DEBUG=DETAIL): the ranks did not all reach {what} "
                           f"#{self.seq} (its fingerprint check): {e}") from None

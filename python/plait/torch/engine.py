@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from .. import _core
 from .._core import BrokenError, PlaitError
-from . import debug
+from . import debug, trace
 from . import staging as stg
 from .staging import HostPool, Staged
 from .work import Completer, PlaitWork, seconds, torch_error
@@ -213,16 +213,16 @@ def issue(g, name, what, opts, outputs, inputs, plan):
         err = torch_error(e, g.context())
         err.plait_started = bool(parts)  # part of the call is under way: not a refusal
         if rec is not None:
-            rec.end(err)
+            trace.end(rec, err)
         raise err from None
     except BaseException as e:
         _abandon(parts, st)
         if rec is not None:
-            rec.end(e)
+            trace.end(rec, e)
         raise
     w = g.work(parts, outputs, st, what, inputs)
     if rec is not None:
-        rec.started(w)
+        trace.started(rec, w)
     return w
 
 

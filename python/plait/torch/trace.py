@@ -90,62 +90,94 @@ def job_id():
     return f"{addr}:{port}" if addr and port else ""
 
 
+# An entry is a list, the cheapest object to make on the calling path; `Entry` reads one.
+_REC, _ID, _CREATED, _WHAT, _OPTS, _INS, _OUTS, _SEQ, _P2P, _STATE, _STARTED, _ENDED, _ERROR = range(13)
+
+
+def started(e, work):
+    """Entry `e`'s core operations have all been started; `work` (a PlaitWork) ends it when it
+    settles (work.py calls `end`)."""
+    e[_STARTED] = time.time_ns()
+    e[_STATE] = "started"
+    work._pl_trace = e
+    if work._settled and work._pl_trace is e:  # settled meanwhile on another thread
+        work._pl_trace = None
+        end(e, work._error)
+
+
+def end(e, error=None):
+    """Entry `e` completed, or failed with `error`: a failure that is the communication's writes
+    every rank's trace, and the error's message says where."""
+    if e[_ENDED] is not None:
+        return
+    e[_ENDED] = time.time_ns()
+    if error is None:
+        e[_STATE] = "completed"
+        return
+    e[_STATE] = "failed"
+    e[_ERROR] = f"{type(error).__name__}: {error}"
+    if isinstance(error, _DUMPS):
+        paths = dump(f"{Entry(e).describe()} failed: {e[_ERROR]}", signal=True)
+        if paths and error.args and isinstance(error.args[0], str) and "plait trace" not in error.args[0]:
+            error.args = (f"{error.args[0]} (every group's last operations: {paths[0]}; every rank writes "
+                          f"its own there: `plait trace show {os.path.dirname(paths[0])}`)",) + tuple(error.args[1:])
+
+
 class Entry:
-    """One c10d call of a group."""
+    """One c10d call of a group, read from its list."""
 
-    __slots__ = ("rec", "record_id", "seq", "p2p_seq", "what", "name", "peer", "root", "reduce_op", "ins", "outs",
-                 "timeout", "state", "created", "started_ns", "ended_ns", "error")
+    __slots__ = ("e",)
 
-    def started(self, work):
-        """The call's core operations have all been started; `work` (a PlaitWork) ends the entry
-        when it settles."""
-        self.started_ns = time.time_ns()
-        self.state = "started"
-        work._pl_trace = self
-        if work._settled and work._pl_trace is self:  # settled meanwhile on another thread
-            work._pl_trace = None
-            self.end(work._error)
+    def __init__(self, e):
+        self.e = e
 
-    def end(self, error=None):
-        if self.ended_ns is not None:
-            return
-        self.ended_ns = time.time_ns()
-        if error is None:
-            self.state = "completed"
-            return
-        self.state = "failed"
-        self.error = f"{type(error).__name__}: {error}"
-        if isinstance(error, _DUMPS):
-            paths = dump(f"{self.describe()} failed: {self.error}", signal=True)
-            if paths and error.args and isinstance(error.args[0], str) and "plait trace" not in error.args[0]:
-                error.args = (f"{error.args[0]} (every group's last operations: {paths[0]}; every rank writes "
-                              f"its own there: `plait trace show {os.path.dirname(paths[0])}`)",) + tuple(error.args[1:])
+    @property
+    def p2p(self):
+        return self.e[_WHAT][:4] in ("send", "recv")
+
+    @property
+    def name(self):
+        w = self.e[_WHAT]
+        return w.split()[0] if self.p2p else w
+
+    @property
+    def peer(self):
+        """The peer's rank in the group (-1: any source), None for a collective."""
+        if not self.p2p:
+            return None
+        last = self.e[_WHAT].split()[-1]
+        return int(last) if last.isdigit() else -1
 
     def describe(self):
-        return f"{self.name} #{self.p2p_seq if self.peer is not None else self.seq} of group {self.rec.group_id!r}"
+        e = self.e
+        return f"{self.name} #{e[_P2P] if self.p2p else e[_SEQ]} of group {e[_REC].group_id!r}"
 
     def as_dict(self):
-        r = self.rec
+        e = self.e
+        r, opts, ins = e[_REC], e[_OPTS], e[_INS]
+        outs = ins if e[_OUTS] is None else e[_OUTS]
+        timeout = _seconds(getattr(opts, "timeout", None), r.timeout)
+        created, ended = e[_CREATED], e[_ENDED]
         return {
-            "record_id": self.record_id,
-            "collective_seq_id": self.seq,
-            "p2p_seq_id": self.p2p_seq,
+            "record_id": e[_ID],
+            "collective_seq_id": e[_SEQ],
+            "p2p_seq_id": e[_P2P],
             "op": self.name,
-            "is_p2p": self.peer is not None,
+            "is_p2p": self.p2p,
             "peer": self.peer,
-            "root": self.root,
-            "reduce_op": _op_name(self.reduce_op),
-            "input_sizes": [list(s) for s in self.ins[0]],
-            "input_dtypes": [_dtype(d) for d in self.ins[1]],
-            "output_sizes": [list(s) for s in self.outs[0]],
-            "output_dtypes": [_dtype(d) for d in self.outs[1]],
-            "state": self.state,
-            "time_created_ns": self.created,
-            "time_started_ns": self.started_ns,
-            "time_ended_ns": self.ended_ns,
-            "duration_ms": (self.ended_ns - self.created) / 1e6 if self.ended_ns is not None else None,
-            "timeout_ms": int((_seconds(self.timeout, r.timeout) or 0) * 1000),
-            "error": self.error,
+            "root": getattr(opts, "rootRank", None),
+            "reduce_op": _op_name(getattr(opts, "reduceOp", None)),
+            "input_sizes": [list(s) for s, _ in ins],
+            "input_dtypes": [_dtype(d) for _, d in ins],
+            "output_sizes": [list(s) for s, _ in outs],
+            "output_dtypes": [_dtype(d) for _, d in outs],
+            "state": e[_STATE],
+            "time_created_ns": created,
+            "time_started_ns": e[_STARTED],
+            "time_ended_ns": ended,
+            "duration_ms": (ended - created) / 1e6 if ended is not None else None,
+            "timeout_ms": int((timeout or 0) * 1000),
+            "error": e[_ERROR],
             "group": r.group_id,
         }
 
@@ -156,13 +188,13 @@ def _dtype(d):
 
 
 def _tensors(ts):
-    shapes, dtypes = [], []
-    for t in ts:
-        shape = getattr(t, "shape", None)
-        if shape is not None:
-            shapes.append(shape)
-            dtypes.append(t.dtype)
-    return shapes, dtypes
+    try:
+        if len(ts) == 1:
+            t = ts[0]
+            return ((t.shape, t.dtype),)
+        return [(t.shape, t.dtype) for t in ts]
+    except AttributeError:  # not only tensors
+        return [(t.shape, t.dtype) for t in ts if hasattr(t, "shape")]
 
 
 class Recorder:
@@ -176,41 +208,24 @@ class Recorder:
         self._owner = lambda: g.owner() if g.owner is not None else None  # the torch object (name, desc)
         self.entries = collections.deque(maxlen=n)
         self._ids = itertools.count()
-        self._lock = threading.Lock()
+        self._colls = itertools.count(1)  # next() is atomic: no lock on the calling path
+        self._p2ps = itertools.count(1)
         self.seq = 0  # collectives so far
         self.p2p_seq = 0
         self.closed = False
 
     def begin(self, what, opts, inputs, outputs):
-        e = Entry()
-        e.rec = self
-        e.record_id = next(self._ids)
-        e.created = time.time_ns()
+        """A call about to be made: `what` its c10d name ("all_reduce", "send to rank 2"...),
+        `opts` torch's options object (read only when the trace is written). Sizes and dtypes
+        are taken now; the tensors are not kept. Returns the entry, for `started` and `end`."""
         if what[:4] in ("send", "recv"):
-            words = what.split()
-            e.peer = int(words[-1]) if words[-1].isdigit() else -1
-            e.name = words[0]
-            p2p = True
+            p2p = self.p2p_seq = next(self._p2ps)
+            seq = self.seq
         else:
-            e.peer = None
-            e.name = what
-            p2p = False
-        with self._lock:
-            if p2p:
-                self.p2p_seq += 1
-            else:
-                self.seq += 1
-            e.seq, e.p2p_seq = self.seq, self.p2p_seq
-        e.what = what
-        e.root = getattr(opts, "rootRank", None)
-        op = getattr(opts, "reduceOp", None)
-        e.reduce_op = op
-        e.ins = _tensors(inputs)
-        e.outs = _tensors(outputs)
-        t = getattr(opts, "timeout", None)
-        e.timeout = t
-        e.state = "scheduled"
-        e.started_ns = e.ended_ns = e.error = None
+            seq = self.seq = next(self._colls)
+            p2p = self.p2p_seq
+        e = [self, next(self._ids), time.time_ns(), what, opts, _tensors(inputs),
+             None if outputs is inputs else _tensors(outputs), seq, p2p, "scheduled", None, None, None]
         self.entries.append(e)
         return e
 
@@ -225,7 +240,7 @@ class Recorder:
         name, desc = self.name_desc()
         out = []
         for e in list(self.entries):
-            out.append(e.as_dict())
+            out.append(Entry(e).as_dict())
         facts = {"name": name, "desc": desc, "id": self.group_id, "ranks": self.global_ranks, "rank": self.rank,
                  "size": self.size, "global_rank": self.global_ranks[self.rank] if self.global_ranks else self.rank,
                  "collectives": self.seq, "p2p": self.p2p_seq, "closed": self.closed}
@@ -486,4 +501,4 @@ def _stop_watcher():
             w.thread.join(5.0)
 
 
-__all__ = ["Recorder", "Entry", "recorder_for", "forget", "dump", "document", "flight_recorder", "trace_dir"]
+__all__ = ["Recorder", "Entry", "started", "end", "recorder_for", "forget", "dump", "document", "flight_recorder", "trace_dir"]

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from .._core import BrokenError, PlaitError, PlaitTimeoutError
+from .trace import end as _trace_end
 
 _POLL = 1.0  # seconds: the longest a Python-side wait blocks before it looks around again
 
@@ -92,7 +93,7 @@ class PlaitWork(dist.Work):
         self._source = -1
         self._extra = []
         self._extra_threads = []
-        self._pl_trace = None  # this op's entry in the group's trace (trace.Entry), ended at settle
+        self._pl_trace = None  # this op's entry in the group's trace (trace.py), ended at settle
 
     # -- internals ---------------------------------------------------------------------------
 
@@ -154,9 +155,9 @@ class PlaitWork(dist.Work):
             self._settled = True
         if self._extra:
             self._flush_extra()
-        trace, self._pl_trace = self._pl_trace, None
-        if trace is not None:
-            trace.end(self._error)
+        entry, self._pl_trace = self._pl_trace, None
+        if entry is not None:
+            _trace_end(entry, self._error)
 
     def _settle_if_complete(self):
         if self._settled:

@@ -133,7 +133,7 @@ pub const SETTINGS: &[Setting] = &[
         name: "PLAIT_TRACE_DIR",
         kind: "text",
         default: "<temp dir>/plait-trace",
-        doc: "torch: where every rank writes its trace (plait_trace_rank_<R>.json, and fr_rank_<R> for torch's fr_trace) on a timeout or failure.",
+        doc: "torch: where every rank writes its trace (plait_trace_rank_<R>.json, and plait_fr_rank_<R> for torch's fr_trace) on a timeout or failure.",
     },
 ];
 
