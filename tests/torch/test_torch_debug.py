@@ -18,12 +18,7 @@ import torch_launch  # noqa: E402
 
 def run(scenario, nproc, **kw):
     """torch_launch.run_world over debug_scenarios.py."""
-    saved = torch_launch.SCENARIOS
-    torch_launch.SCENARIOS = HERE / "debug_scenarios.py"
-    try:
-        return torch_launch.run_world(scenario, nproc, **kw)
-    finally:
-        torch_launch.SCENARIOS = saved
+    return torch_launch.run_world(scenario, nproc, script=HERE / "debug_scenarios.py", **kw)
 
 
 def test_detail_finds_mismatched_calls_on_every_rank(tmp_path):
