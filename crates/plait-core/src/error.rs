@@ -17,7 +17,7 @@ pub enum PlaitError {
     #[error("{}peer rank {peer}{} {what}{}", op_prefix(op), addr_part(addr), waited_part(waited))]
     Peer { op: String, peer: usize, addr: String, what: String, waited: Duration },
     /// A deadline passed.
-    #[error("{}timed out after {waited:.3?} waiting for {waiting_on}", op_prefix(op))]
+    #[error("{}Timed out after {waited:.3?} waiting for {waiting_on}", op_prefix(op))]
     Timeout { op: String, waiting_on: String, waited: Duration },
     /// Ranks disagree on what they are doing (collective, dtype, count, op, root).
     #[error("{}mismatch with rank {peer}: {detail}", op_prefix(op))]
