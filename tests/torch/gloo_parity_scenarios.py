@@ -208,6 +208,33 @@ def scenario_groups(args):
     os._exit(0)
 
 
+def scenario_ddp_join(args):
+    """DDP's join context with uneven inputs (rank r trains r more steps), dividing by the initial
+    world size and by the ranks still training: the reducer holds the Work of each forward's
+    all_reduce and waits on it in backward, after Python dropped it."""
+    import torch.nn as nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    init(args[1], seconds=30)
+    out = {}
+    for divide_by_initial in (True, False):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 2))
+        ddp = DDP(model)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        with ddp.join(divide_by_initial_world_size=divide_by_initial):
+            for step in range(2 + RANK):
+                g = torch.Generator().manual_seed(100 * step + RANK)
+                loss = ddp(torch.randn(4, 6, generator=g)).pow(2).mean()
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+        out[f"parameters, divide_by_initial_world_size={divide_by_initial}"] = [
+            round(float(p.detach().double().sum()), 6) for p in model.parameters()]
+    dist.destroy_process_group()
+    return out
+
+
 def scenario_refusals(args):
     """plait only (gloo leaves the other ranks waiting here): a call one rank refuses fails on
     every rank at once, naming that rank and the reason, and the group goes on working."""

@@ -74,6 +74,13 @@ def test_split_group_set_timeout_and_options():
     assert p[0]["options follow set_timeout"] is True
 
 
+def test_ddp_join_with_uneven_inputs():
+    """DDP's join context, dividing by the initial world size and by the ranks still training
+    (the reducer waits in backward on a Work that Python already dropped: it hung before)."""
+    r = both("ddp_join")
+    assert not differences(r), "\n".join(differences(r))
+
+
 def test_a_call_refused_on_one_rank_fails_every_rank():
     """Arguments one rank refuses (its own output slot too big, a root out of range, AVG on
     integers, one input short) end the call on every rank at once, naming that rank and the

@@ -8,6 +8,7 @@ operation errors the future at the C++ level: the future handed out is `base.the
 Python future is not seen by C++ consumers such as DDP's reducer).
 """
 
+import collections
 import datetime
 import queue
 import threading
@@ -74,6 +75,26 @@ def _check(fut):
     return v
 
 
+# C++ can hold a Work that Python code got from a plait method and then dropped: DDP's join
+# hands the all_reduce of its forward pass to its reducer, which waits on it and reads its
+# result in backward. The C++ side then holds only the C++ base of the Work, whose wait() never
+# returns once the Python object, with its overrides, is gone (torch wraps a Work in a holder
+# that keeps it alive only when C++ itself called the method). So the newest works with small
+# outputs, the ones such control calls make, stay alive for a while after Python drops them:
+# at most _RECENT_COUNT of them, of at most _RECENT_BYTES of outputs each.
+_RECENT_COUNT = 256
+_RECENT_BYTES = 64 << 10
+_RECENT = collections.deque(maxlen=_RECENT_COUNT)
+
+
+def _output_bytes(outputs):
+    n = 0
+    for t in outputs:
+        if isinstance(t, torch.Tensor):
+            n += t.numel() * t.element_size()
+    return n
+
+
 class PlaitWork(dist.Work):
     """One torch-level operation: one or more core operations (`parts`), the output tensors, and
     what to do when they end (`finish(ok)`: copy back staged outputs, free staging memory)."""
@@ -94,6 +115,8 @@ class PlaitWork(dist.Work):
         self._extra = []
         self._extra_threads = []
         self._pl_trace = None  # this op's entry in the group's trace (trace.py), ended at settle
+        if _output_bytes(outputs) <= _RECENT_BYTES:
+            _RECENT.append(self)
 
     # -- internals ---------------------------------------------------------------------------
 
