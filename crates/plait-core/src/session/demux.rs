@@ -109,8 +109,19 @@ fn answer_ping(f: &Session, peer: usize, h: &FrameHeader, word: Vec<u8>) {
     f.link(peer).send_owned(pong, word);
 }
 
-fn read_text(payload: &mut dyn Read, max: usize) -> io::Result<String> {
-    let mut buf = Vec::new();
+/// Control frames (Abort, Close, Refuse, link probes, kinds from newer versions) carry short
+/// texts: one that claims more is refused before any of it is read, and the link closes.
+pub(crate) const CONTROL_MAX_BYTES: u64 = 64 << 10;
+
+/// The payload of control frame `h` as text, at most `max` bytes of it kept.
+fn read_text(h: &FrameHeader, payload: &mut dyn Read, max: usize) -> io::Result<String> {
+    if h.nbytes > CONTROL_MAX_BYTES {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("it sent a control frame (kind {}) of {} bytes; control frames carry at most {CONTROL_MAX_BYTES}", h.kind, h.nbytes),
+        ));
+    }
+    let mut buf = Vec::with_capacity(h.nbytes as usize);
     payload.read_to_end(&mut buf)?;
     buf.truncate(max);
     Ok(String::from_utf8_lossy(&buf).into_owned())
@@ -125,7 +136,7 @@ impl Inbox for Demux {
         match FrameKind::from_u8(h.kind) {
             Some(FrameKind::P2p) if h.seq == PING_TAG => {
                 // Answered here, on the receiver thread, so the prober measures the link alone.
-                let word = read_text(payload, 8)?.into_bytes();
+                let word = read_text(h, payload, 8)?.into_bytes();
                 let slot = self.session.lock();
                 match slot.upgrade() {
                     Some(f) => answer_ping(&f, peer, h, word),
@@ -135,7 +146,7 @@ impl Inbox for Demux {
             }
             Some(FrameKind::Data) | Some(FrameKind::P2p) => self.mailbox.deliver(peer, h, payload),
             Some(FrameKind::Abort) => {
-                let reason = AbortReason::parse(peer, &read_text(payload, 4096)?);
+                let reason = AbortReason::parse(peer, &read_text(h, payload, 4096)?);
                 let err = self.explain_abort(peer, &reason);
                 // Passed on once, so that ranks the reporter cannot reach still hear the reason
                 // before this rank's links close.
@@ -143,12 +154,12 @@ impl Inbox for Demux {
                 Ok(())
             }
             Some(FrameKind::Refuse) => {
-                let reason = read_text(payload, 4096)?;
+                let reason = read_text(h, payload, 4096)?;
                 self.mailbox.refused_by(peer, h.seq, reason);
                 Ok(())
             }
             Some(FrameKind::Close) => {
-                read_text(payload, 0)?;
+                read_text(h, payload, 0)?;
                 let lanes = self.session.lock().upgrade().and_then(|f| f.links.get(peer)?.as_ref().map(|l| l.lanes())).unwrap_or(1);
                 let closes = {
                     let mut c = self.closes.lock();
@@ -173,7 +184,7 @@ impl Inbox for Demux {
                 }
                 Ok(())
             }
-            _ => read_text(payload, 0).map(|_| ()),
+            _ => read_text(h, payload, 0).map(|_| ()),
         }
     }
 
@@ -201,5 +212,39 @@ impl Inbox for Demux {
         let downs = self.downs.lock().clone();
         let err = blame::links_down(&downs, &|p| self.addr(p));
         self.fail(err, true);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn control(kind: FrameKind, nbytes: u64) -> FrameHeader {
+        FrameHeader { kind: kind as u8, nbytes, ..Default::default() }
+    }
+
+    #[test]
+    fn a_control_frame_claiming_more_than_its_cap_is_refused_before_anything_is_read() {
+        let demux = Demux::new(Arc::new(Mailbox::new()), Duration::from_secs(1), None);
+        for kind in [FrameKind::Abort, FrameKind::Close, FrameKind::Refuse, FrameKind::Heartbeat] {
+            // An endless stream behind a header that claims a terabyte: nothing may be read.
+            let mut endless = io::repeat(b'x');
+            let err = demux.deliver(1, &control(kind, 1 << 40), &mut endless).expect_err("refused");
+            assert_eq!(err.kind(), io::ErrorKind::InvalidData);
+            assert!(err.to_string().contains("control frames carry at most"), "{err}");
+        }
+        let mut endless = io::repeat(b'x');
+        let ping = FrameHeader { seq: PING_TAG, ..control(FrameKind::P2p, 1 << 40) };
+        assert!(demux.deliver(1, &ping, &mut endless).is_err(), "a link probe is a control frame too");
+    }
+
+    #[test]
+    fn a_control_frame_within_its_cap_is_read_whole() {
+        let mailbox = Arc::new(Mailbox::new());
+        let demux = Demux::new(mailbox, Duration::from_secs(1), None);
+        let text = vec![b'r'; 10_000]; // longer than the 4096 bytes of reason kept
+        let mut payload = &text[..];
+        demux.deliver(1, &control(FrameKind::Refuse, text.len() as u64), &mut payload).expect("read");
+        assert!(payload.is_empty(), "the whole payload was consumed");
     }
 }
