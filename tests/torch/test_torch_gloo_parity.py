@@ -11,13 +11,25 @@ pytest.importorskip("torch")
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from torch_launch import run_world  # noqa: E402
+from torch_launch import WorldFailed, run_world  # noqa: E402
 
 SCRIPT = HERE / "gloo_parity_scenarios.py"
 
 
 def both(scenario, nproc=3):
-    return {b: run_world(scenario, nproc, args=[b], script=SCRIPT, timeout=180) for b in ("gloo", "plait")}
+    return {"gloo": reference(scenario, nproc), "plait": run_world(scenario, nproc, args=["plait"], script=SCRIPT, timeout=180)}
+
+
+def reference(scenario, nproc):
+    """gloo's outcomes. gloo sometimes aborts a rank as the process exits, after its result is
+    written ("terminate called without an active exception", seen after DDP join, as in
+    test_clients.py): the reference alone is run once more then."""
+    try:
+        return run_world(scenario, nproc, args=["gloo"], script=SCRIPT, timeout=180)
+    except WorldFailed as e:
+        if "terminate called without an active exception" not in str(e):
+            raise
+        return run_world(scenario, nproc, args=["gloo"], script=SCRIPT, timeout=180)
 
 
 def differences(results, gloo_fails=()):

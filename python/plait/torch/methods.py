@@ -189,8 +189,6 @@ class Methods:
         opts = options(opts, dist.BroadcastOptions, rest, kw, "broadcast", "root")
         what = "broadcast"
         ts = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
-        for t in ts:
-            stg.check_tensor(t, what)
         if not ts:
             raise invalid(f"{what}: expected at least one tensor")
         same_shape(ts, what)
@@ -254,7 +252,6 @@ class Methods:
                     if len(lst) != g.size * len(ins):
                         raise invalid(f"{what}: output list {i} has {len(lst)} tensors, expected {g.size * len(ins)} "
                                       f"(the group size times the {len(ins)} inputs)")
-                    same_kind(lst, ins[0], what)
                     same_shape([ins[0]] + lst, what)
             vins = [stg.real_view(t, None, what) for t in ins]
             vouts = [stg.real_view(o, None, what) for o in outs]

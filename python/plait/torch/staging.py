@@ -239,7 +239,7 @@ class Staged:
             with torch.no_grad():
                 h.copy_(t)  # blocking: waits for the kernels that produce `t` on its stream
         if write:
-            self._add_back(t, h)
+            self.copy_back(t, h)
         return h
 
     def flat(self, ts, *, read, write, dtype=None):
@@ -263,7 +263,7 @@ class Staged:
                 with torch.no_grad():
                     part.copy_(t)
             if write and n:
-                self._add_back(t, part)
+                self.copy_back(t, part)
             off += n
         return h
 
@@ -272,7 +272,7 @@ class Staged:
         `t` when the op ends (for a result built while `t` is still being read)."""
         h = self._tmp(t, tuple(t.shape), t.dtype)
         self.keep.append(h)
-        self._add_back(t, h)
+        self.copy_back(t, h)
         return h
 
     def converted(self, ts, dtype, *, read, write):
@@ -286,7 +286,7 @@ class Staged:
                 with torch.no_grad():
                     part.copy_(t)
             if write:
-                self._add_back(t, part)
+                self.copy_back(t, part)
             off += t.numel()
         self.keep.append(h)
         return h
@@ -310,9 +310,6 @@ class Staged:
 
     def copy_back(self, dst, src):
         """Copies `src` into `dst` when the op ends well, after the copy-backs added before."""
-        self._add_back(dst, src)
-
-    def _add_back(self, dst, src):
         ctx = _stream_ctx(dst)
         if strategy(dst.device.type).mps_sync:
             self._sync_mps = True

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from .._core import BrokenError, PlaitError, PlaitTimeoutError
+from .staging import nbytes
 from .trace import end as _trace_end
 
 _POLL = 1.0  # seconds: the longest a Python-side wait blocks before it looks around again
@@ -87,14 +88,6 @@ _RECENT_BYTES = 64 << 10
 _RECENT = collections.deque(maxlen=_RECENT_COUNT)
 
 
-def _output_bytes(outputs):
-    n = 0
-    for t in outputs:
-        if isinstance(t, torch.Tensor):
-            n += t.numel() * t.element_size()
-    return n
-
-
 class PlaitWork(dist.Work):
     """One torch-level operation: one or more core operations (`parts`), the output tensors, and
     what to do when they end (`finish(ok)`: copy back staged outputs, free staging memory)."""
@@ -115,7 +108,7 @@ class PlaitWork(dist.Work):
         self._extra = []
         self._extra_threads = []
         self._pl_trace = None  # this op's entry in the group's trace (trace.py), ended at settle
-        if _output_bytes(outputs) <= _RECENT_BYTES:
+        if sum(nbytes(t) for t in outputs) <= _RECENT_BYTES:
             _RECENT.append(self)
 
     # -- internals ---------------------------------------------------------------------------

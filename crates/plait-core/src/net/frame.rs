@@ -68,6 +68,10 @@ pub struct FrameHeader {
     pub group: u64,
 }
 
+/// The longest reason (UTF-8) an Abort or Refuse frame carries: a sender sends no more, a
+/// receiver keeps no more.
+pub const REASON_MAX_BYTES: usize = 4096;
+
 /// Tags at and above this are plait's own (link probes); users get the ones below.
 pub const RESERVED_TAGS: u64 = 1 << 63;
 /// A probe that the peer's receiver thread answers at once with a `PONG_TAG` message carrying

@@ -7,7 +7,7 @@ use super::groups::Groups;
 use super::mailbox::Mailbox;
 use super::Session;
 use crate::error::PlaitError;
-use crate::net::frame::{AbortReason, FrameHeader, FrameKind, PING_TAG, PONG_TAG};
+use crate::net::frame::{AbortReason, FrameHeader, FrameKind, PING_TAG, PONG_TAG, REASON_MAX_BYTES};
 use crate::net::peer::Inbox;
 use parking_lot::Mutex;
 use std::collections::HashMap;
@@ -146,7 +146,7 @@ impl Inbox for Demux {
             }
             Some(FrameKind::Data) | Some(FrameKind::P2p) => self.mailbox.deliver(peer, h, payload),
             Some(FrameKind::Abort) => {
-                let reason = AbortReason::parse(peer, &read_text(h, payload, 4096)?);
+                let reason = AbortReason::parse(peer, &read_text(h, payload, REASON_MAX_BYTES)?);
                 let err = self.explain_abort(peer, &reason);
                 // Passed on once, so that ranks the reporter cannot reach still hear the reason
                 // before this rank's links close.
@@ -154,7 +154,7 @@ impl Inbox for Demux {
                 Ok(())
             }
             Some(FrameKind::Refuse) => {
-                let reason = read_text(h, payload, 4096)?;
+                let reason = read_text(h, payload, REASON_MAX_BYTES)?;
                 self.mailbox.refused_by(peer, h.seq, reason);
                 Ok(())
             }
@@ -242,7 +242,7 @@ mod tests {
     fn a_control_frame_within_its_cap_is_read_whole() {
         let mailbox = Arc::new(Mailbox::new());
         let demux = Demux::new(mailbox, Duration::from_secs(1), None);
-        let text = vec![b'r'; 10_000]; // longer than the 4096 bytes of reason kept
+        let text = vec![b'r'; 10_000]; // longer than the REASON_MAX_BYTES of reason kept
         let mut payload = &text[..];
         demux.deliver(1, &control(FrameKind::Refuse, text.len() as u64), &mut payload).expect("read");
         assert!(payload.is_empty(), "the whole payload was consumed");

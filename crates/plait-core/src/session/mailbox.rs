@@ -234,9 +234,7 @@ impl Mailbox {
     /// early frames are dropped, and so are those still on their way.
     pub fn finish_refused(&self, seq: u64) {
         self.finish(seq);
-        let mut inner = self.inner.lock();
-        inner.refused.remove(&seq);
-        inner.dropped.insert(seq);
+        self.inner.lock().dropped.insert(seq);
     }
 
     /// Marks collective `seq` complete on this rank. Returns a frame of it that arrived but was
@@ -268,9 +266,16 @@ impl Mailbox {
 
     /// Called by the receiver thread of `peer` for a Data or P2p frame.
     pub fn deliver(&self, peer: usize, h: &FrameHeader, payload: &mut dyn Read) -> io::Result<()> {
-        if h.kind == FrameKind::Data as u8 && self.inner.lock().is_finished(h.seq) {
+        // A frame of a call this rank has finished: Some(whether a refusal ended that call).
+        let late = if h.kind == FrameKind::Data as u8 {
+            let inner = self.inner.lock();
+            inner.is_finished(h.seq).then(|| inner.dropped.contains(&h.seq))
+        } else {
+            None
+        };
+        if let Some(dropped) = late {
             io::copy(payload, &mut io::sink())?;
-            if self.inner.lock().dropped.contains(&h.seq) {
+            if dropped {
                 return Ok(());
             }
             return Err(io::Error::new(

@@ -21,7 +21,7 @@ pub(crate) use landing::{Keep, Landing, Part};
 pub(crate) use mailbox::{describe_header, Expect, Mailbox, Posted};
 
 use crate::error::{PlaitError, Result};
-use crate::net::frame::{AbortReason, FrameHeader, FrameKind};
+use crate::net::frame::{AbortReason, FrameHeader, FrameKind, REASON_MAX_BYTES};
 use crate::net::peer::{CallerPoll, PeerLink, SendBuf, SendReq};
 use crossbeam_channel::Sender;
 use parking_lot::Mutex;
@@ -167,10 +167,11 @@ impl Session {
         });
     }
 
-    /// Tells every peer that this rank refused collective `seq` and why (its first 4 KiB).
+    /// Tells every peer that this rank refused collective `seq` and why (at most
+    /// `REASON_MAX_BYTES` of it).
     pub fn send_refusal(&self, seq: u64, reason: &str) {
         let mut text = reason.as_bytes().to_vec();
-        text.truncate(4096);
+        text.truncate(REASON_MAX_BYTES);
         for link in self.links.iter().flatten() {
             let header = FrameHeader { kind: FrameKind::Refuse as u8, seq, group: self.group, ..Default::default() };
             link.send_owned(header, text.clone());
