@@ -257,8 +257,10 @@ def scenario_refusals(args):
 
     timed("all_gather, rank 0's own slot wrong", all_gather_own_slot_wrong)
     timed("barrier after", dist.barrier)
+    # Rank 1 is the root the others name: every other rank's part needs it, so every rank must
+    # fail (a root that refused nothing could complete its part).
     timed("broadcast, rank 1's root out of range",
-          lambda: dist.group.WORLD.broadcast(torch.ones(2), root=WORLD + 3 if RANK == 1 else 0).wait())
+          lambda: dist.group.WORLD.broadcast(torch.ones(2), root=WORLD + 3 if RANK == 1 else 1).wait())
     timed("int all_reduce, rank 2 asks for AVG",
           lambda: dist.all_reduce(torch.ones(2, dtype=torch.int32), op=R.AVG if RANK == 2 else R.SUM))
     timed("the same refusal on every rank", lambda: dist.all_reduce(torch.ones(2, dtype=torch.int32), op=R.AVG))
