@@ -117,3 +117,14 @@ impl From<std::io::Error> for PlaitError {
         PlaitError::Io(e.to_string())
     }
 }
+
+/// The message a panic carried (`panic!("...")` gives a `&str` or a `String`).
+pub(crate) fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    if let Some(s) = payload.downcast_ref::<&str>() {
+        s.to_string()
+    } else if let Some(s) = payload.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "a panic without a message".to_string()
+    }
+}

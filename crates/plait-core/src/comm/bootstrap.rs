@@ -106,7 +106,7 @@ pub(crate) fn bootstrap(store: &dyn Store, cfg: &CommConfig) -> Result<Mesh> {
     };
     store.set(&format!("{}/rank/{rank}", plan.prefix), &serde_json::to_vec(&me).unwrap())?;
 
-    let mailbox = Arc::new(Mailbox::new());
+    let mailbox = Arc::new(Mailbox::with_budget(cfg.unexpected_bytes));
     let groups = Arc::new(Groups::default());
     let demux = Arc::new(Demux::new(mailbox.clone(), plan.heartbeat, Some(groups.clone())));
     let mut session = Session::new(rank, size, mailbox, groups)?;
@@ -301,7 +301,7 @@ fn connect_first(candidates: &[Route], info: &PeerInfo, hello: &Hello, deadline:
 
 /// The round trip of every link: a ping that the peer's receiver thread answers at once (see
 /// `PING_TAG`). The best of a few.
-fn probe(session: &Session, deadline: Instant) -> Result<Vec<(usize, Duration)>> {
+fn probe(session: &Arc<Session>, deadline: Instant) -> Result<Vec<(usize, Duration)>> {
     const ROUNDS: usize = 3;
     let left = || deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
     let mut word = [0u8; 8];

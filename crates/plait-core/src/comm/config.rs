@@ -29,6 +29,7 @@ pub const DEFAULT_CALLER_READ_BYTES: usize = 64 * 1024;
 /// bandwidth-delay product or per-flow limits want more (see the README).
 pub const DEFAULT_STREAMS: usize = 1;
 pub const MAX_STREAMS: usize = 16;
+use crate::session::{DEFAULT_UNEXPECTED_BYTES, MIN_UNEXPECTED_BYTES};
 
 /// Every setting the core reads, in the order the README lists them.
 pub const SETTINGS: &[Setting] = &[
@@ -85,6 +86,12 @@ pub const SETTINGS: &[Setting] = &[
         kind: "microseconds",
         default: "0",
         doc: "A caller reading its links polls without sleeping this long before it blocks (0: off).",
+    },
+    Setting {
+        name: "PLAIT_UNEXPECTED_BYTES",
+        kind: "bytes",
+        default: "1073741824",
+        doc: "Memory per peer for messages that arrive before their receive is posted (at least 1048576); a peer that sends more is disconnected with an error naming it.",
     },
     Setting {
         name: "PLAIT_DEBUG",
@@ -164,6 +171,8 @@ pub struct CommConfig {
     pub routes_file: Option<String>,
     /// `PLAIT_WIRE_DTYPE`: wire compression for f32 allreduce (bf16, f16, int8).
     pub wire: Wire,
+    /// `PLAIT_UNEXPECTED_BYTES`: bytes of early messages held per peer.
+    pub unexpected_bytes: u64,
 }
 
 /// The value of setting `name` when it is set and not blank. Only names in [`SETTINGS`].
@@ -197,6 +206,12 @@ impl CommConfig {
             &format!("a number of connections per peer from 1 to {MAX_STREAMS}"),
         )?
         .unwrap_or(DEFAULT_STREAMS);
+        let unexpected_bytes = number(
+            "PLAIT_UNEXPECTED_BYTES",
+            |n: &u64| *n >= MIN_UNEXPECTED_BYTES,
+            &format!("a number of bytes >= {MIN_UNEXPECTED_BYTES}"),
+        )?
+        .unwrap_or(DEFAULT_UNEXPECTED_BYTES);
         let wire = match setting("PLAIT_WIRE_DTYPE") {
             Some(v) => Wire::from_name(&v)
                 .ok_or_else(|| PlaitError::Config(format!("PLAIT_WIRE_DTYPE={v:?}: one of native, bf16, f16, int8")))?,
@@ -216,6 +231,7 @@ impl CommConfig {
             iface: setting("PLAIT_IFACE"),
             routes_file: setting("PLAIT_ROUTES"),
             wire,
+            unexpected_bytes,
         })
     }
 }
@@ -238,6 +254,7 @@ mod tests {
         assert_eq!(default_of("PLAIT_SEGMENT_BYTES").parse::<usize>().unwrap(), DEFAULT_SEGMENT_BYTES);
         assert_eq!(default_of("PLAIT_CALLER_READ_BYTES").parse::<usize>().unwrap(), DEFAULT_CALLER_READ_BYTES);
         assert_eq!(default_of("PLAIT_STREAMS").parse::<usize>().unwrap(), DEFAULT_STREAMS);
+        assert_eq!(default_of("PLAIT_UNEXPECTED_BYTES").parse::<u64>().unwrap(), DEFAULT_UNEXPECTED_BYTES);
         assert_eq!(Wire::from_name(default_of("PLAIT_WIRE_DTYPE")), Some(Wire::Native));
     }
 }

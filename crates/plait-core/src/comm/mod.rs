@@ -121,7 +121,7 @@ impl Communicator {
             ..self.cfg.clone()
         };
         let id = group_id(&cfg.group);
-        let mailbox = Arc::new(Mailbox::new());
+        let mailbox = Arc::new(Mailbox::with_budget(cfg.unexpected_bytes));
         let demux = Arc::new(Demux::new(mailbox.clone(), bootstrap::heartbeat(self.cfg.timeout), None));
         let session = Arc::new(Session::subgroup(&self.session, id, ranks, mailbox));
         demux.attach(&session);
@@ -143,6 +143,11 @@ impl Communicator {
             workers: Workers::new(),
             owner: Some(Owner { comm: self.clone(), ranks: ranks.to_vec() }),
         }))
+    }
+
+    #[cfg(test)]
+    pub(crate) fn session(&self) -> &Arc<Session> {
+        &self.session
     }
 
     pub fn rank(&self) -> usize {
@@ -304,6 +309,18 @@ impl Communicator {
     /// while it waits (small blocking calls); otherwise the links' receiver threads read.
     fn submit(&self, inline: bool, caller_reads: bool, run: Job) -> Result<Work> {
         self.session.set_caller_progress(caller_reads);
+        let session = self.session.clone();
+        // A panic inside an operation must not cross into the caller (or kill a worker and leave
+        // its Work pending forever): its transfers have been withdrawn by then (`Transfers`), and
+        // the communicator fails with an error that says what happened.
+        let run: Job = Box::new(move || {
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(run)).unwrap_or_else(|panic| {
+                let why = format!("internal error (a panic) in an operation: {}", crate::error::panic_message(&*panic));
+                tracing::error!("{why}");
+                session.fail(PlaitError::Broken(why.clone()), true);
+                Err(PlaitError::Broken(why))
+            })
+        });
         if inline {
             let work = Work::new();
             work.complete(run());

@@ -9,15 +9,16 @@
 use super::bundle::{bundled, bundled_sends};
 use super::layout::Layout;
 use super::spec::OpSpec;
-use super::wait::{better_explained, next_event, with_waited};
+use super::transfers::{OpMemory, Transfers};
+use super::wait::{better_explained, with_waited};
 use crate::codec::{self, Wire};
 use crate::error::{PlaitError, Result};
 use crate::kernels;
 use crate::net::frame::{CallId, FrameHeader, FrameKind};
 use crate::raw::{bytes, bytes_mut, RawBuf};
 use crate::sched::{Buf, ChunkRef, Collective, LocalOp, Schedule};
-use crate::session::{describe_header, Event, Expect, Keep, Landing, Part, Posted, Session};
-use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
+use crate::session::{describe_header, BufferPool, Expect, Keep, Landing, Part, Posted, Session};
+use crossbeam_channel::RecvTimeoutError;
 use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -26,7 +27,7 @@ use std::time::{Duration, Instant};
 /// Runs one collective. Returns when every transfer has finished, successfully or not; on
 /// failure the output holds exactly what it held before the call.
 pub fn run_collective(
-    session: &Session,
+    session: &Arc<Session>,
     spec: &OpSpec,
     sched: &Schedule,
     layout: &Layout,
@@ -38,7 +39,12 @@ pub fn run_collective(
     }
     let start = Instant::now();
     let pool = &session.mailbox.pool;
-    let mut scratch = pool.take(sched.scratch_slots * layout.scratch_slot_bytes);
+    let mut memory = RunMemory {
+        scratch: pool.take(sched.scratch_slots * layout.scratch_slot_bytes),
+        saved: Mutex::new(Saved { copy: pool.take(output.len), regions: HashMap::new() }),
+        encoded: Mutex::new(Vec::new()),
+    };
+    let scratch = RawBuf::of(&mut memory.scratch);
     let run = Run {
         session,
         spec,
@@ -46,16 +52,13 @@ pub fn run_collective(
         layout,
         input,
         output,
-        scratch: RawBuf { ptr: scratch.as_mut_ptr(), len: scratch.len() },
-        op_id: session.op_id(),
+        scratch,
         call: spec.call(),
         locks: Arc::new(Mutex::new(())),
-        encoded: Mutex::new(Vec::new()),
-        saved: Mutex::new(Saved { copy: pool.take(output.len), regions: HashMap::new() }),
+        transfers: Transfers::new(session, spec.what.clone(), memory),
     };
-    let (tx, rx) = crossbeam_channel::unbounded();
     let mut state = State::new(layout.max_nseg(), sched.nsteps());
-    let outcome = run.drive(&tx, &rx, &mut state, start).and_then(|_| match session.mailbox.finish(spec.seq) {
+    let outcome = run.drive(&mut state, start).and_then(|_| match session.mailbox.finish(spec.seq) {
         None => Ok(()),
         Some((peer, h)) => Err(PlaitError::Mismatch {
             op: spec.what.to_string(),
@@ -66,30 +69,44 @@ pub fn run_collective(
             ),
         }),
     });
-    let result = match outcome {
+    match outcome {
         Ok(()) => {
             run.finalize();
             Ok(())
         }
         Err(err @ PlaitError::Refused { .. }) => {
             // Every rank hears of the refusal: the call ends everywhere, the communicator lives.
-            run.withdraw(&rx, &mut state);
+            run.transfers.withdraw();
             session.mailbox.finish_refused(spec.seq);
             run.restore_output();
             Err(err)
         }
         Err(err) => {
-            let err = run.abandon(err, &rx, &mut state, start);
+            let err = run.abandon(err, start);
             run.restore_output();
             Err(err)
         }
-    };
-    pool.give(std::mem::take(&mut run.saved.lock().copy));
-    pool.give(scratch);
-    for (_, _, buf) in run.encoded.lock().drain(..) {
-        pool.give(buf);
     }
-    result
+}
+
+/// The buffers a collective owns and lends to link threads: released by its `Transfers` only
+/// once every transfer has reported.
+struct RunMemory {
+    scratch: Vec<u8>,
+    saved: Mutex<Saved>,
+    /// Wire-encoded sends of the current step, per (segment, chunk): encoded once, sent to
+    /// every peer unchanged, kept until the step's transfers are done.
+    encoded: Mutex<Vec<(usize, ChunkRef, Vec<u8>)>>,
+}
+
+impl OpMemory for RunMemory {
+    fn give_back(&mut self, pool: &BufferPool) {
+        pool.give(std::mem::take(&mut self.scratch));
+        pool.give(std::mem::take(&mut self.saved.get_mut().copy));
+        for (_, _, buf) in self.encoded.get_mut().drain(..) {
+            pool.give(buf);
+        }
+    }
 }
 
 struct State {
@@ -97,15 +114,13 @@ struct State {
     step: Vec<usize>,
     /// Transfers of the current step still under way, per segment: (peer, is_send).
     pending: Vec<Vec<(usize, bool)>>,
-    /// Transfers issued and not yet reported (cancelled receives are subtracted).
-    outstanding: usize,
     done: usize,
     nsteps: usize,
 }
 
 impl State {
     fn new(nseg: usize, nsteps: usize) -> State {
-        State { step: vec![0; nseg], pending: vec![Vec::new(); nseg], outstanding: 0, done: 0, nsteps }
+        State { step: vec![0; nseg], pending: vec![Vec::new(); nseg], done: 0, nsteps }
     }
 }
 
@@ -117,19 +132,16 @@ struct Run<'a> {
     input: RawBuf,
     output: RawBuf,
     scratch: RawBuf,
-    op_id: u64,
     call: CallId,
     /// Serialises accumulating receives of this operation (several peers reducing into one chunk).
     locks: Arc<Mutex<()>>,
-    /// Wire-encoded sends of the current step, per (segment, chunk): encoded once, sent to
-    /// every peer unchanged, kept until the step's transfers are done.
-    encoded: Mutex<Vec<(usize, ChunkRef, Vec<u8>)>>,
-    /// What the output held where this operation wrote, so a failed operation leaves it as it
-    /// was: one `Keep` per region written, each copied by its first writer just before it writes
-    /// (not all up front), so the copies overlap the transfers and never delay posting a receive.
-    saved: Mutex<Saved>,
+    /// Every transfer under way, and the buffers they point into (see `Transfers`).
+    transfers: Transfers<RunMemory>,
 }
 
+/// What the output held where this operation wrote, so a failed operation leaves it as it
+/// was: one `Keep` per region written, each copied by its first writer just before it writes
+/// (not all up front), so the copies overlap the transfers and never delay posting a receive.
 struct Saved {
     copy: Vec<u8>,
     /// Regions of the output by byte offset.
@@ -144,7 +156,7 @@ impl Run<'_> {
             return None;
         }
         let off = p - base;
-        let mut saved = self.saved.lock();
+        let mut saved = self.transfers.memory.saved.lock();
         let copy = saved.copy.as_mut_ptr();
         let keep = saved.regions.entry(off).or_insert_with(|| {
             // SAFETY: the region is inside the output and the copy has the output's length;
@@ -164,7 +176,7 @@ impl Run<'_> {
 
     /// Puts back what the output held wherever this operation wrote.
     fn restore_output(&self) {
-        for keep in self.saved.lock().regions.values() {
+        for keep in self.transfers.memory.saved.lock().regions.values() {
             keep.restore();
         }
     }
@@ -193,16 +205,16 @@ impl Run<'_> {
         Ok(Some((unsafe { base.ptr.add(off + a * es) }, (b - a) * es, elems)))
     }
 
-    fn drive(&self, tx: &Sender<Event>, rx: &Receiver<Event>, st: &mut State, start: Instant) -> Result<()> {
+    fn drive(&self, st: &mut State, start: Instant) -> Result<()> {
         let deadline = start + self.spec.timeout;
         for s in 0..st.step.len() {
-            self.advance(s, tx, st)?;
+            self.advance(s, st)?;
         }
+        super::transfers::failpoint::hit("collective.drive");
         while st.done < st.step.len() {
             let wake = deadline.min(Instant::now() + Duration::from_millis(100));
-            match next_event(self.session, rx, wake, deadline) {
+            match self.transfers.next_event(wake, deadline) {
                 Ok(ev) => {
-                    st.outstanding -= 1;
                     if let Err(e) = ev.result {
                         return Err(better_explained(self.session, e));
                     }
@@ -214,7 +226,7 @@ impl Run<'_> {
                         self.release_encoded(s);
                         self.locals(s, st.step[s])?;
                         st.step[s] += 1;
-                        self.advance(s, tx, st)?;
+                        self.advance(s, st)?;
                     }
                 }
                 Err(RecvTimeoutError::Timeout) => {
@@ -232,7 +244,7 @@ impl Run<'_> {
     }
 
     /// Issues the transfers of segment `s`'s current step, running locals-only steps at once.
-    fn advance(&self, s: usize, tx: &Sender<Event>, st: &mut State) -> Result<()> {
+    fn advance(&self, s: usize, st: &mut State) -> Result<()> {
         let rank = self.layout.rank;
         while st.step[s] < st.nsteps {
             let k = st.step[s];
@@ -262,16 +274,15 @@ impl Run<'_> {
             for (peer, parts) in recvs.into_iter().enumerate() {
                 for (first, part, elems) in bundled(parts) {
                     st.pending[s].push((peer, false));
-                    st.outstanding += 1;
                     let key = (peer, FrameKind::Data as u8, self.spec.seq, k as u32, s as u32, first);
                     self.session.mailbox.post(key, Posted {
                         expect: self.expect(elems, part.wire_len),
                         landing: part.landing,
                         len: part.len,
                         wire: self.spec.wire,
-                        op_id: self.op_id,
+                        op_id: self.transfers.op_id(),
                         token: s as u32,
-                        events: tx.clone(),
+                        events: self.transfers.issue(),
                     });
                 }
             }
@@ -291,8 +302,7 @@ impl Run<'_> {
                 for (first, (src, len), elems, owned) in bundled_sends(parts) {
                     let header = FrameHeader::data(&self.call, k as u32, s as u32, first, elems as u64, len as u64);
                     st.pending[s].push((peer, true));
-                    st.outstanding += 1;
-                    self.session.send_frame(peer, header, src, len, owned, self.spec.what.clone(), s as u32, tx.clone());
+                    self.session.send_frame(peer, header, src, len, owned, self.spec.what.clone(), s as u32, self.transfers.issue());
                 }
             }
             if !st.pending[s].is_empty() {
@@ -309,7 +319,7 @@ impl Run<'_> {
     /// this step. A chunk of the output is replaced by its decoded value, so the sender holds
     /// exactly what its peers will: every rank ends bit-identical.
     fn encode_once(&self, s: usize, c: ChunkRef, src: *mut u8, len: usize, wire: Wire) -> (*const u8, usize) {
-        let mut enc = self.encoded.lock();
+        let mut enc = self.transfers.memory.encoded.lock();
         if let Some((_, _, buf)) = enc.iter().find(|(seg, ch, _)| *seg == s && *ch == c) {
             return (buf.as_ptr(), buf.len());
         }
@@ -325,7 +335,7 @@ impl Run<'_> {
     }
 
     fn release_encoded(&self, s: usize) {
-        let mut enc = self.encoded.lock();
+        let mut enc = self.transfers.memory.encoded.lock();
         let mut i = 0;
         while i < enc.len() {
             if enc[i].0 == s {
@@ -420,28 +430,12 @@ impl Run<'_> {
         PlaitError::Timeout { op: self.spec.what.to_string(), waiting_on: on, waited: start.elapsed() }
     }
 
-    /// Fails the communicator, withdraws this operation's receives and waits until no link
-    /// thread touches the caller's memory any more.
-    fn abandon(&self, err: PlaitError, rx: &Receiver<Event>, st: &mut State, start: Instant) -> PlaitError {
+    /// Fails the communicator and withdraws this operation's transfers (until no link thread
+    /// touches the caller's memory any more).
+    fn abandon(&self, err: PlaitError, start: Instant) -> PlaitError {
         let first = self.session.fail(err, true);
-        self.withdraw(rx, st);
+        self.transfers.withdraw();
         with_waited(first.for_op(&self.spec.what), start.elapsed())
-    }
-
-    /// Withdraws this operation's receives and waits (bounded) until no link thread touches the
-    /// caller's memory any more.
-    fn withdraw(&self, rx: &Receiver<Event>, st: &mut State) {
-        st.outstanding -= self.session.mailbox.cancel(self.op_id).min(st.outstanding);
-        let drain_deadline = Instant::now() + Duration::from_secs(10);
-        while st.outstanding > 0 {
-            match rx.recv_deadline(drain_deadline) {
-                Ok(_) => st.outstanding -= 1,
-                Err(_) => {
-                    tracing::error!("{}: {} transfers did not finish after the failure", self.spec.what, st.outstanding);
-                    break;
-                }
-            }
-        }
     }
 }
 

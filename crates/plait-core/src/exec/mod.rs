@@ -8,6 +8,7 @@ pub(crate) mod collective;
 pub(crate) mod layout;
 pub(crate) mod p2p;
 pub(crate) mod spec;
+mod transfers;
 mod wait;
 
 pub use spec::CollRequest;

@@ -46,6 +46,16 @@ pub struct SendReq {
     pub done: Option<SendDone>,
 }
 
+/// Every submitter hears back exactly once: a request dropped unsent (a closed queue, a sender
+/// thread that died) reports failure, so no operation waits for a frame nobody will write.
+impl Drop for SendReq {
+    fn drop(&mut self) {
+        if let Some(done) = self.done.take() {
+            done(Err(io::Error::new(io::ErrorKind::BrokenPipe, "the frame was never sent: the link's sender stopped")));
+        }
+    }
+}
+
 /// Every connection to one peer. With several lanes (`PLAIT_STREAMS`), large payloads are
 /// spread over them in turn, each lane with its own sender and receiver thread, so a link that
 /// one TCP stream cannot fill (a long fat pipe, a per-flow limit) gets several; small frames
@@ -108,10 +118,10 @@ impl PeerLink {
             threads.push(
                 std::thread::Builder::new()
                     .name(format!("plait-send-{peer}{suffix}"))
-                    .spawn(move || send_loop(w, queue_rx, urgent_rx, heartbeat, c))?,
+                    .spawn(move || send_loop_guarded(w, queue_rx, urgent_rx, heartbeat, c))?,
             );
             let r = read.clone();
-            threads.push(std::thread::Builder::new().name(format!("plait-recv-{peer}{suffix}")).spawn(move || r.run())?);
+            threads.push(std::thread::Builder::new().name(format!("plait-recv-{peer}{suffix}")).spawn(move || r.run_guarded())?);
             lanes.push(Lane { stream, writer, queue, urgent, last_rx, read });
         }
         Ok(Arc::new(PeerLink {
@@ -160,7 +170,7 @@ impl PeerLink {
             }
         }
         if let Err(e) = lane.queue.send(req) {
-            if let Some(done) = e.into_inner().done {
+            if let Some(done) = e.into_inner().done.take() {
                 done(Err(io::Error::new(io::ErrorKind::BrokenPipe, "link is closed")));
             }
         }
@@ -280,6 +290,24 @@ impl Writer {
     }
 }
 
+/// `send_loop`, and if it panics the lane fails instead of going quiet: the socket is shut (the
+/// peer and this side's reader see the link end) and every queued frame reports failure.
+fn send_loop_guarded(
+    writer: Arc<Mutex<Writer>>,
+    queue: Receiver<SendReq>,
+    urgent: Receiver<SendReq>,
+    heartbeat: Duration,
+    closing: Arc<AtomicBool>,
+) {
+    let w = writer.clone();
+    if let Err(panic) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| send_loop(writer, queue, urgent, heartbeat, closing))) {
+        let mut w = w.lock();
+        tracing::error!("a link's sender thread panicked: {}", crate::error::panic_message(&*panic));
+        w.failed = Some(io::ErrorKind::BrokenPipe);
+        let _ = w.stream.shutdown(std::net::Shutdown::Both);
+    }
+}
+
 fn send_loop(
     writer: Arc<Mutex<Writer>>,
     queue: Receiver<SendReq>,
@@ -290,8 +318,8 @@ fn send_loop(
     loop {
         if closing.load(Ordering::SeqCst) {
             // Every submitter must hear back, even after shutdown.
-            for req in urgent.try_iter().chain(queue.try_iter()) {
-                if let Some(done) = req.done {
+            for mut req in urgent.try_iter().chain(queue.try_iter()) {
+                if let Some(done) = req.done.take() {
                     done(Err(io::Error::new(io::ErrorKind::BrokenPipe, "link is shut down")));
                 }
             }
@@ -320,8 +348,9 @@ fn send_loop(
                 }
             }
         };
+        let mut req = req;
         let result = writer.lock().write(&req);
-        if let Some(done) = req.done {
+        if let Some(done) = req.done.take() {
             done(result);
         }
     }

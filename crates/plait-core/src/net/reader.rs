@@ -124,6 +124,16 @@ impl ReadSide {
     }
 
     /// The receiver thread's loop.
+    /// `run`, and if reading panics the link ends with an error that says so (its operations
+    /// fail naming this peer) instead of the thread vanishing.
+    pub fn run_guarded(&self) {
+        if let Err(panic) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.run())) {
+            let why = crate::error::panic_message(&*panic);
+            tracing::error!("the reader of rank {}'s link panicked: {why}", self.peer);
+            self.end(io::Error::other(format!("internal error (a panic) while reading this link: {why}")));
+        }
+    }
+
     pub fn run(&self) {
         let mut events = Events::new();
         loop {
@@ -209,7 +219,11 @@ impl ReadSide {
         let header = FrameHeader::decode(&raw)?;
         self.touch();
         match FrameKind::from_u8(header.kind) {
-            Some(FrameKind::Heartbeat) => return Ok(()),
+            Some(FrameKind::Heartbeat) if header.nbytes == 0 => return Ok(()),
+            // Unread, its payload would be taken for the next header: a frame hidden inside.
+            Some(FrameKind::Heartbeat) => {
+                return Err(io::Error::new(io::ErrorKind::InvalidData, format!("it sent a heartbeat carrying {} bytes; heartbeats carry none", header.nbytes)))
+            }
             // A subgroup's Close ends that group, not the link.
             Some(FrameKind::Close) if header.group == 0 => self.closed_cleanly.store(true, Ordering::Release),
             _ => {}

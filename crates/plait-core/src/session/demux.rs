@@ -109,6 +109,9 @@ fn answer_ping(f: &Session, peer: usize, h: &FrameHeader, word: Vec<u8>) {
     f.link(peer).send_owned(pong, word);
 }
 
+/// Link probes held until the session is ready (start-up sends 3 per link).
+const EARLY_PINGS_MAX: usize = 1024;
+
 /// Control frames (Abort, Close, Refuse, link probes, kinds from newer versions) carry short
 /// texts: one that claims more is refused before any of it is read, and the link closes.
 pub(crate) const CONTROL_MAX_BYTES: u64 = 64 << 10;
@@ -140,7 +143,14 @@ impl Inbox for Demux {
                 let slot = self.session.lock();
                 match slot.upgrade() {
                     Some(f) => answer_ping(&f, peer, h, word),
-                    None => self.early_pings.lock().push((peer, *h, word)),
+                    None => {
+                        let mut early = self.early_pings.lock();
+                        // A peer probes each link a few times at start-up; more is not a peer.
+                        if early.len() >= EARLY_PINGS_MAX {
+                            return Err(io::Error::new(io::ErrorKind::InvalidData, format!("it sent more than {EARLY_PINGS_MAX} link probes before this rank was ready")));
+                        }
+                        early.push((peer, *h, word));
+                    }
                 }
                 Ok(())
             }
@@ -236,6 +246,18 @@ mod tests {
         let mut endless = io::repeat(b'x');
         let ping = FrameHeader { seq: PING_TAG, ..control(FrameKind::P2p, 1 << 40) };
         assert!(demux.deliver(1, &ping, &mut endless).is_err(), "a link probe is a control frame too");
+    }
+
+    #[test]
+    fn data_frames_claiming_absurd_sizes_are_refused_by_the_mailbox_before_anything_is_read() {
+        let demux = Demux::new(Arc::new(Mailbox::new()), Duration::from_secs(1), None);
+        for kind in [FrameKind::Data, FrameKind::P2p] {
+            for nbytes in [1u64 << 40, 1 << 63, u64::MAX] {
+                let h = FrameHeader { count: nbytes, seq: 1, ..control(kind, nbytes) };
+                let err = demux.deliver(1, &h, &mut io::repeat(b'x')).expect_err("refused");
+                assert!(err.to_string().contains("allowed per peer"), "{err}");
+            }
+        }
     }
 
     #[test]

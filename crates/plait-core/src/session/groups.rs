@@ -104,7 +104,7 @@ impl Groups {
                 }
                 None => {
                     let n = h.nbytes as usize;
-                    if inner.pending_bytes + n > PENDING_MAX {
+                    if n > PENDING_MAX.saturating_sub(inner.pending_bytes) {
                         return Err(io::Error::new(
                             io::ErrorKind::InvalidData,
                             format!("sent more than {} MiB for group {:#x}, which this rank has not created", PENDING_MAX >> 20, h.group),
@@ -187,5 +187,17 @@ mod tests {
         assert_eq!(group_id(""), 0xcbf2_9ce4_8422_2325);
         assert_eq!(group_id("a"), 0xaf63_dc4c_8601_ec8c);
         assert!(group_id("") != 0);
+    }
+
+    #[test]
+    fn frames_for_a_group_not_created_yet_are_bounded_even_with_absurd_sizes() {
+        let groups = Groups::default();
+        let frame = |nbytes: u64| FrameHeader { kind: crate::net::frame::FrameKind::Data as u8, group: 42, nbytes, ..Default::default() };
+        groups.deliver(1, &frame(3), &mut &b"abc"[..]).expect("a small early frame is kept");
+        for nbytes in [u64::MAX, u64::MAX - 2, 1 << 63, PENDING_MAX as u64] {
+            // An endless stream: a check that reads first would never return.
+            let err = groups.deliver(1, &frame(nbytes), &mut io::repeat(0)).expect_err("refused");
+            assert!(err.to_string().contains("which this rank has not created"), "{err}");
+        }
     }
 }

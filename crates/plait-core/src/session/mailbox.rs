@@ -7,11 +7,12 @@
 
 use super::landing::Landing;
 use super::pool::BufferPool;
+use super::stash::{Stash, Stashed};
 use super::Event;
 use crate::codec::Wire;
 use crate::dtype::DType;
 use crate::error::PlaitError;
-use crate::net::frame::{CallId, FrameHeader, FrameKind};
+use crate::net::frame::{CallId, FrameHeader, FrameKind, PONG_TAG, RESERVED_TAGS};
 use crossbeam_channel::Sender;
 use parking_lot::Mutex;
 use std::collections::HashMap;
@@ -47,15 +48,10 @@ pub struct Posted {
 // this receive's completion event or cancelled it.
 unsafe impl Send for Posted {}
 
-struct Stashed {
-    header: FrameHeader,
-    data: Vec<u8>,
-}
-
 #[derive(Default)]
 struct Inner {
     posted: HashMap<Key, Posted>,
-    stashed: HashMap<Key, Stashed>,
+    stash: Stash,
     /// Receives from any source, by tag, oldest first.
     any_source: HashMap<u64, Vec<Posted>>,
     /// Next point-to-point ordinal to hand out per (peer, tag).
@@ -81,16 +77,36 @@ impl Inner {
     }
 }
 
-#[derive(Default)]
+/// Messages that arrive before their receive is posted are held in memory, up to this many
+/// bytes per peer. Early collective data rarely exceeds the largest buffer in flight; a
+/// point-to-point send posted long before its receive is held whole.
+pub const DEFAULT_UNEXPECTED_BYTES: u64 = 1 << 30;
+/// The smallest budget accepted (`PLAIT_UNEXPECTED_BYTES`).
+pub const MIN_UNEXPECTED_BYTES: u64 = 1 << 20;
+
 pub struct Mailbox {
     inner: Mutex<Inner>,
     /// Buffers for early frames, shared with the executor's snapshots and scratch.
     pub pool: BufferPool,
+    /// Bytes of early frames held per peer (`PLAIT_UNEXPECTED_BYTES`): a peer that sends more
+    /// is cut off before the frame is read.
+    budget: u64,
+}
+
+impl Default for Mailbox {
+    fn default() -> Self {
+        Mailbox::with_budget(DEFAULT_UNEXPECTED_BYTES)
+    }
 }
 
 impl Mailbox {
+    #[cfg(test)]
     pub fn new() -> Self {
         Self::default()
+    }
+
+    pub fn with_budget(budget: u64) -> Self {
+        Mailbox { inner: Mutex::default(), pool: BufferPool::default(), budget }
     }
 
     /// Posts a receive, or completes it at once from a stashed frame (on this thread).
@@ -109,7 +125,7 @@ impl Mailbox {
                 let _ = p.events.send(Event { token: p.token, result: Err(err), source: key.0 });
                 return;
             }
-            match inner.stashed.remove(&key) {
+            match inner.stash.remove(&key) {
                 Some(s) => s,
                 None => {
                     if let Some(err) = inner.closed.get(&key.0).cloned() {
@@ -148,7 +164,7 @@ impl Mailbox {
         let next = inner.p2p_next.entry((peer, tag)).or_insert(0);
         let key = (peer, kind, tag, 0, 0, *next);
         *next += 1;
-        match inner.stashed.remove(&key) {
+        match inner.stash.remove(&key) {
             Some(s) => {
                 drop(inner);
                 let result = land_from_memory(peer, &s.header, &s.data, &p);
@@ -179,6 +195,25 @@ impl Mailbox {
         }
     }
 
+    /// Frames held for receives not yet posted (for tests).
+    #[cfg(test)]
+    pub fn stashed_len(&self) -> usize {
+        self.inner.lock().stash.len()
+    }
+
+    /// Bytes counted against every peer's budget (for tests).
+    #[cfg(test)]
+    pub fn held_total(&self) -> u64 {
+        self.inner.lock().stash.held_total()
+    }
+
+    /// Receives posted and not yet taken by a frame (for tests of withdrawal).
+    #[cfg(test)]
+    pub fn posted_len(&self) -> usize {
+        let inner = self.inner.lock();
+        inner.posted.len() + inner.any_source.values().map(Vec::len).sum::<usize>()
+    }
+
     /// Removes the receives `op_id` posted that no frame has taken yet; returns how many.
     pub fn cancel(&self, op_id: u64) -> usize {
         let mut inner = self.inner.lock();
@@ -200,7 +235,7 @@ impl Mailbox {
             if inner.broken.is_none() {
                 inner.broken = Some(err.clone());
             }
-            inner.stashed.clear();
+            inner.stash.clear();
             (inner.posted.drain().collect(), inner.any_source.drain().flat_map(|(_, v)| v).collect())
         };
         for (key, p) in posted {
@@ -253,13 +288,11 @@ impl Mailbox {
             }
             inner.finished_below += 1;
         }
-        let data = FrameKind::Data as u8;
-        let stray: Vec<Key> = inner.stashed.keys().filter(|k| k.1 == data && k.2 == seq).copied().collect();
-        let first = stray.first().and_then(|k| inner.stashed.get(k).map(|s| (k.0, s.header)));
-        for k in stray {
-            if let Some(s) = inner.stashed.remove(&k) {
-                self.pool.give(s.data);
-            }
+        let stray = inner.stash.remove_call(FrameKind::Data as u8, seq);
+        drop(inner);
+        let first = stray.first().map(|(k, s)| (k.0, s.header));
+        for (_, s) in stray {
+            self.pool.give(s.data);
         }
         first
     }
@@ -318,10 +351,14 @@ impl Mailbox {
                 }
             };
         }
-        // Not posted yet: read without holding the lock, then look again before stashing.
+        // Not posted yet: claim room in this peer's budget (before a byte is allocated or
+        // read), read without holding the lock, then look again before stashing.
+        self.reserve(peer, h)?;
         let mut data = self.pool.take(h.nbytes as usize);
-        payload.read_exact(&mut data)?;
+        let read = payload.read_exact(&mut data);
         let mut inner = self.inner.lock();
+        inner.stash.release(peer, h.nbytes);
+        read?;
         if inner.broken.is_some() {
             return Ok(());
         }
@@ -334,8 +371,34 @@ impl Mailbox {
                 self.hand_on_overtaken(h.seq);
             }
         } else {
-            inner.stashed.insert(key, Stashed { header: *h, data });
+            inner.stash.insert(key, Stashed { header: *h, data });
         }
+        Ok(())
+    }
+
+    /// Counts `h`'s payload against `peer`'s budget for early frames, or refuses the frame
+    /// (which closes the link, naming the peer) when it would go over.
+    fn reserve(&self, peer: usize, h: &FrameHeader) -> io::Result<()> {
+        if h.kind == FrameKind::P2p as u8 && h.seq >= RESERVED_TAGS {
+            // Link probes are answered by the demux and their answers always awaited.
+            if h.seq != PONG_TAG || h.nbytes > 8 {
+                return Err(io::Error::new(io::ErrorKind::InvalidData, format!("it sent a message with reserved tag {:#x} that nothing receives", h.seq)));
+            }
+        }
+        let mut inner = self.inner.lock();
+        let held = inner.stash.held(peer);
+        if h.nbytes > self.budget.saturating_sub(held) {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!(
+                    "it sent {} of {} bytes before this rank posted its receive, with {held} bytes of its early messages already held: over the {} bytes allowed per peer (PLAIT_UNEXPECTED_BYTES)",
+                    describe_header(h),
+                    h.nbytes,
+                    self.budget
+                ),
+            ));
+        }
+        inner.stash.reserve(peer, h.nbytes);
         Ok(())
     }
 
@@ -366,17 +429,11 @@ fn next_in_line_for_any_source(inner: &mut Inner, tag: u64) -> Vec<(usize, Stash
     let kind = FrameKind::P2p as u8;
     let mut ready = Vec::new();
     while inner.any_source.get(&tag).is_some_and(|l| !l.is_empty()) {
-        let sender = inner
-            .stashed
-            .keys()
-            .filter(|k| k.1 == kind && k.2 == tag && k.5 == inner.p2p_next.get(&(k.0, tag)).copied().unwrap_or(0))
-            .map(|k| k.0)
-            .min();
-        let Some(peer) = sender else { break };
-        let next = inner.p2p_next.entry((peer, tag)).or_insert(0);
-        let key = (peer, kind, tag, 0, 0, *next);
-        *next += 1;
-        let s = inner.stashed.remove(&key).expect("found above");
+        let p2p_next = &inner.p2p_next;
+        let Some(key) = inner.stash.next_in_line(kind, tag, |peer| p2p_next.get(&(peer, tag)).copied().unwrap_or(0)) else { break };
+        let peer = key.0;
+        *inner.p2p_next.entry((peer, tag)).or_insert(0) += 1;
+        let s = inner.stash.remove(&key).expect("found above");
         let p = inner.any_source.get_mut(&tag).expect("checked above").remove(0);
         ready.push((peer, s, p));
     }

@@ -260,3 +260,214 @@ fn a_refusal_of_a_call_this_rank_finished_changes_nothing() {
     deliver(&m, 1, &FrameHeader::data(&data_call(4), 0, 0, 0, 2, 2), b"gh").unwrap();
     ok_from(&rx);
 }
+
+// -- bounds on what a peer can make this rank hold (issue 14: size fields, unbounded buffering)
+
+/// An endless stream behind a header: a check that reads before refusing would never return.
+fn endless() -> io::Repeat {
+    io::repeat(b'z')
+}
+
+#[test]
+fn a_frame_claiming_a_huge_size_for_no_posted_receive_is_refused_before_anything_is_read() {
+    let m = Mailbox::new();
+    for nbytes in [1u64 << 40, 1u64 << 63, u64::MAX] {
+        for h in [
+            FrameHeader { nbytes, count: nbytes, ..FrameHeader::data(&data_call(4), 0, 0, 0, 1, 1) },
+            FrameHeader { nbytes, count: nbytes, ..p2p(3, 0, b"x") },
+        ] {
+            let err = m.deliver(1, &h, &mut endless()).expect_err("refused");
+            assert_eq!(err.kind(), io::ErrorKind::InvalidData);
+            let text = err.to_string();
+            assert!(text.contains(&nbytes.to_string()) && text.contains("PLAIT_UNEXPECTED_BYTES"), "{text}");
+        }
+    }
+    assert_eq!(m.stashed_len(), 0);
+    // The refusals left no claim behind: a normal early frame is still held.
+    deliver(&m, 1, &p2p(3, 0, b"ok"), b"ok").unwrap();
+    assert_eq!(m.stashed_len(), 1);
+}
+
+#[test]
+fn early_frames_are_held_up_to_the_budget_per_peer_and_room_comes_back_when_they_are_received() {
+    let budget = MIN_UNEXPECTED_BYTES;
+    let m = Mailbox::with_budget(budget);
+    let big = vec![7u8; (budget / 2) as usize + 1];
+    deliver(&m, 1, &p2p(5, 0, &big), &big).unwrap();
+    // Another peer has a budget of its own.
+    deliver(&m, 2, &p2p(5, 0, &big), &big).unwrap();
+    let err = deliver(&m, 1, &p2p(5, 1, &big), &big).expect_err("over the budget of peer 1");
+    assert!(err.to_string().contains(&format!("{} bytes of its early messages already held", big.len())), "{err}");
+    // Receiving the held message gives its room back.
+    let mut dst = vec![0u8; big.len()];
+    let (p, rx) = posted(&mut dst, u8_call(), 1);
+    m.post_p2p(Some(1), 5, p);
+    assert_eq!(ok_from(&rx), 1);
+    deliver(&m, 1, &p2p(5, 1, &big), &big).unwrap();
+}
+
+#[test]
+fn a_frame_whose_receive_is_posted_is_not_limited_by_the_budget() {
+    let budget = MIN_UNEXPECTED_BYTES;
+    let m = Mailbox::with_budget(budget);
+    let big = vec![3u8; budget as usize * 2];
+    let mut dst = vec![0u8; big.len()];
+    let (p, rx) = posted(&mut dst, u8_call(), 1);
+    m.post_p2p(Some(1), 5, p);
+    deliver(&m, 1, &p2p(5, 0, &big), &big).unwrap();
+    assert_eq!(ok_from(&rx), 1);
+    assert_eq!(dst, big);
+}
+
+#[test]
+fn a_message_with_a_reserved_tag_that_nothing_receives_is_refused() {
+    let m = Mailbox::new();
+    for tag in [RESERVED_TAGS, RESERVED_TAGS + 17, PONG_TAG - 1] {
+        let err = deliver(&m, 1, &p2p(tag, 0, b"abcd"), b"abcd").expect_err("refused");
+        assert!(err.to_string().contains("reserved tag"), "{err}");
+    }
+    // The start-up probe's answer is still accepted.
+    deliver(&m, 1, &p2p(PONG_TAG, 0, &[0u8; 8]), &[0u8; 8]).unwrap();
+}
+
+#[test]
+fn finishing_a_call_drops_only_its_strays_among_many_held_frames() {
+    let m = Mailbox::new();
+    for tag in 0..2000u64 {
+        deliver(&m, 1, &p2p(tag, 0, b"m"), b"m").unwrap();
+    }
+    deliver(&m, 2, &FrameHeader::data(&data_call(9), 0, 0, 0, 1, 1), b"s").unwrap();
+    let stray = m.finish(9).expect("the stray frame of call 9 is reported");
+    assert_eq!(stray.0, 2);
+    assert_eq!(m.stashed_len(), 2000, "the unreceived messages of other tags are kept");
+    assert!(m.finish(10).is_none());
+}
+
+#[test]
+fn an_any_source_receive_takes_the_lowest_sender_whose_next_message_is_held() {
+    let m = Mailbox::new();
+    // Peer 1's first message (ordinal 0) has not arrived, its second has: not next in line.
+    deliver(&m, 1, &p2p(4, 1, b"b"), b"b").unwrap();
+    deliver(&m, 3, &p2p(4, 0, b"c"), b"c").unwrap();
+    deliver(&m, 2, &p2p(4, 0, b"d"), b"d").unwrap();
+    let mut got = Vec::new();
+    for _ in 0..2 {
+        let mut dst = [0u8; 1];
+        let (p, rx) = posted(&mut dst, u8_call(), 1);
+        m.post_p2p(None, 4, p);
+        got.push((ok_from(&rx), dst[0]));
+    }
+    assert_eq!(got, vec![(2, b'd'), (3, b'c')]);
+    // Once peer 1's first message arrives, both of its messages are next in line in turn.
+    let mut dst = [0u8; 1];
+    let (p, rx) = posted(&mut dst, u8_call(), 1);
+    m.post_p2p(None, 4, p);
+    assert!(rx.try_recv().is_err(), "peer 1's second message must wait for its first");
+    deliver(&m, 1, &p2p(4, 0, b"a"), b"a").unwrap();
+    assert_eq!((ok_from(&rx), dst[0]), (1, b'a'));
+    let (p, rx) = posted(&mut dst, u8_call(), 1);
+    m.post_p2p(None, 4, p);
+    assert_eq!((ok_from(&rx), dst[0]), (1, b'b'));
+}
+
+// -- random interleavings (issue 14: the mailbox's invariants hold whatever order frames come in)
+
+mod interleavings {
+    use super::*;
+    use proptest::prelude::*;
+
+    const TAGS: u64 = 3;
+
+    /// 8 bytes that say who sent the message: (peer, tag, ordinal).
+    fn stamp(peer: usize, tag: u64, ordinal: u32) -> [u8; 8] {
+        let mut b = [0u8; 8];
+        b[..2].copy_from_slice(&(peer as u16).to_le_bytes());
+        b[2..4].copy_from_slice(&(tag as u16).to_le_bytes());
+        b[4..].copy_from_slice(&ordinal.to_le_bytes());
+        b
+    }
+
+    fn unstamp(b: &[u8; 8]) -> (usize, u64, u32) {
+        (u16::from_le_bytes([b[0], b[1]]) as usize, u16::from_le_bytes([b[2], b[3]]) as u64, u32::from_le_bytes([b[4], b[5], b[6], b[7]]))
+    }
+
+    /// What each peer sends ((tag, lane), in order: with several lanes a later message can
+    /// overtake an earlier one), which tags are received from any source, and the order in
+    /// which frames arrive and receives are posted (each choice picks a queue).
+    fn world() -> impl Strategy<Value = (Vec<Vec<(u64, usize)>>, Vec<bool>, Vec<u8>)> {
+        (
+            prop::collection::vec(prop::collection::vec((0..TAGS, 0..2usize), 0..12), 1..5),
+            prop::collection::vec(any::<bool>(), TAGS as usize),
+            prop::collection::vec(any::<u8>(), 0..200),
+        )
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+
+        #[test]
+        fn every_receive_completes_once_in_order_and_nothing_is_left_held((sends, any_source, order) in world()) {
+            let m = Mailbox::new();
+            let peers = sends.len();
+            // Frames each (peer, lane) will deliver, in send order.
+            let mut frames: Vec<std::collections::VecDeque<(u64, u32)>> = vec![Default::default(); peers * 2];
+            for (p, msgs) in sends.iter().enumerate() {
+                let mut next = [0u32; TAGS as usize];
+                for &(t, lane) in msgs {
+                    frames[p * 2 + lane].push_back((t, next[t as usize]));
+                    next[t as usize] += 1;
+                }
+            }
+            // Receives to post: (source or None, tag), one per message.
+            let mut recvs: std::collections::VecDeque<(Option<usize>, u64)> = Default::default();
+            for (p, msgs) in sends.iter().enumerate() {
+                for &(t, _) in msgs {
+                    recvs.push_back((if any_source[t as usize] { None } else { Some(p) }, t));
+                }
+            }
+            let mut bufs: Vec<Box<[u8; 8]>> = Vec::new();
+            let mut waiting: Vec<(Option<usize>, u64, Receiver<Event>)> = Vec::new();
+            let mut choices = order.into_iter();
+            loop {
+                let live: Vec<usize> = (0..peers * 2).filter(|&q| !frames[q].is_empty()).collect();
+                let can_post = !recvs.is_empty();
+                if live.is_empty() && !can_post {
+                    break;
+                }
+                let c = choices.next().unwrap_or(0) as usize;
+                if can_post && (live.is_empty() || c % (live.len() + 1) == live.len()) {
+                    let (src, tag) = recvs.pop_front().unwrap();
+                    let mut b = Box::new([0xFFu8; 8]);
+                    let (p, rx) = posted(&mut b[..], u8_call(), waiting.len() as u64);
+                    bufs.push(b);
+                    m.post_p2p(src, tag, p);
+                    waiting.push((src, tag, rx));
+                } else {
+                    let q = live[c % live.len()];
+                    let p = q / 2;
+                    let (tag, ordinal) = frames[q].pop_front().unwrap();
+                    deliver(&m, p, &p2p(tag, ordinal, &stamp(p, tag, ordinal)), &stamp(p, tag, ordinal)).unwrap();
+                }
+            }
+            // Every receive completed exactly once, with a message of its tag from its source.
+            let mut seen = std::collections::HashSet::new();
+            let mut last: std::collections::HashMap<(usize, u64), u32> = Default::default();
+            for (i, (src, tag, rx)) in waiting.iter().enumerate() {
+                let ev = rx.try_recv().expect("every receive completes");
+                prop_assert!(rx.try_recv().is_err(), "a receive completed twice");
+                prop_assert!(ev.result.is_ok());
+                let (from, t, ordinal) = unstamp(&bufs[i]);
+                prop_assert_eq!(from, ev.source);
+                prop_assert_eq!(t, *tag);
+                if let Some(s) = src { prop_assert_eq!(from, *s); }
+                prop_assert!(seen.insert((from, t, ordinal)), "a message was received twice");
+                // Messages from one sender with one tag are received in the order sent, whatever
+                // order their frames arrived in.
+                if let Some(prev) = last.insert((from, t), ordinal) { prop_assert!(ordinal > prev); }
+            }
+            prop_assert_eq!(m.stashed_len(), 0);
+            prop_assert_eq!(m.held_total(), 0, "bytes still counted against a peer's budget");
+            prop_assert_eq!(m.posted_len(), 0);
+        }
+    }
+}

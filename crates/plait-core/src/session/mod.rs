@@ -14,11 +14,15 @@ pub(crate) mod groups;
 pub(crate) mod landing;
 pub(crate) mod mailbox;
 pub(crate) mod pool;
+mod stash;
+#[cfg(test)]
+mod fuzz_tests;
 
 pub(crate) use demux::Demux;
 pub(crate) use groups::{group_id, Groups};
 pub(crate) use landing::{Keep, Landing, Part};
-pub(crate) use mailbox::{describe_header, Expect, Mailbox, Posted};
+pub(crate) use mailbox::{describe_header, Expect, Mailbox, Posted, DEFAULT_UNEXPECTED_BYTES, MIN_UNEXPECTED_BYTES};
+pub(crate) use pool::BufferPool;
 
 use crate::error::{PlaitError, Result};
 use crate::net::frame::{AbortReason, FrameHeader, FrameKind, REASON_MAX_BYTES};
