@@ -71,6 +71,7 @@ class Comm:
     epoch: int
     group: str
     timeout: float
+    threads: str
     def __init__(
         self,
         store: Any,
@@ -81,6 +82,7 @@ class Comm:
         group: str = "default",
         epoch: int = 0,
         algo: Optional[str] = None,
+        threads: str = "creator",
     ) -> None: ...
     def collective(
         self,

@@ -1,7 +1,7 @@
 //! `plait._core`: thin PyO3 bindings over plait-core. No logic lives here; every blocking call
 //! releases the GIL.
 
-use plait_core::{CollRequest, Collective, CommConfig, Communicator, DType, PlaitError, RawBuf, ReduceOp, Store, Wire, Work};
+use plait_core::{CollRequest, Collective, CommConfig, Communicator, DType, PlaitError, RawBuf, ReduceOp, Store, ThreadUse, Wire, Work};
 use pyo3::prelude::*;
 use pyo3::sync::GILOnceCell;
 use pyo3::types::{PyBool, PyBytes, PyDict, PyString, PyTuple, PyType};
@@ -203,9 +203,13 @@ impl PyComm {
 #[pymethods]
 impl PyComm {
     #[new]
-    #[pyo3(signature = (store, rank, size, *, timeout=None, group="default".to_string(), epoch=0, algo=None))]
-    fn new(py: Python<'_>, store: PyObject, rank: usize, size: usize, timeout: Option<f64>, group: String, epoch: u64, algo: Option<String>) -> PyResult<Self> {
+    #[pyo3(signature = (store, rank, size, *, timeout=None, group="default".to_string(), epoch=0, algo=None, threads="creator".to_string()))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(py: Python<'_>, store: PyObject, rank: usize, size: usize, timeout: Option<f64>, group: String, epoch: u64, algo: Option<String>, threads: String) -> PyResult<Self> {
         let mut cfg = CommConfig::from_env(rank, size).map_err(to_py)?;
+        cfg.threads = ThreadUse::from_name(&threads).ok_or_else(|| {
+            invalid(format!("threads={threads:?}: one of {}", ThreadUse::ALL.map(|t| t.name()).join(", ")))
+        })?;
         if let Some(t) = secs(timeout)? {
             cfg.timeout = t;
         }
@@ -238,6 +242,11 @@ impl PyComm {
     #[getter]
     fn timeout(&self) -> f64 {
         self.comm.config().timeout.as_secs_f64()
+    }
+    /// Which threads may call collectives: "creator" or "sequential".
+    #[getter]
+    fn threads(&self) -> &'static str {
+        self.comm.config().threads.name()
     }
 
     /// Starts a collective over raw host memory. `inline=True` runs it on this thread (GIL

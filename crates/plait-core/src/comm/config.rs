@@ -2,6 +2,7 @@
 //! environment. Every setting is in [`SETTINGS`] with its name, kind, default and meaning; the
 //! bindings hand that table to Python, and the README's table is checked against it.
 
+use super::threads::ThreadUse;
 use crate::codec::Wire;
 use crate::error::{PlaitError, Result};
 use std::time::Duration;
@@ -164,6 +165,8 @@ pub struct CommConfig {
     pub routes_file: Option<String>,
     /// `PLAIT_WIRE_DTYPE`: wire compression for f32 allreduce (bf16, f16, int8).
     pub wire: Wire,
+    /// Which threads may call collectives (not a setting: the layer above decides).
+    pub threads: ThreadUse,
 }
 
 /// The value of setting `name` when it is set and not blank. Only names in [`SETTINGS`].
@@ -216,6 +219,7 @@ impl CommConfig {
             iface: setting("PLAIT_IFACE"),
             routes_file: setting("PLAIT_ROUTES"),
             wire,
+            threads: ThreadUse::default(),
         })
     }
 }

@@ -7,11 +7,13 @@
 
 mod bootstrap;
 pub(crate) mod config;
+mod threads;
 mod topology;
 mod work;
 mod workers;
 
 pub use config::{setting, CommConfig, Setting, SETTINGS};
+pub use threads::ThreadUse;
 pub use topology::{LinkRecord, Topology};
 pub use work::Work;
 
@@ -32,6 +34,7 @@ use parking_lot::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
+use threads::{Refusal, Threads, Turn};
 use workers::{Job, Workers};
 
 pub struct Communicator {
@@ -44,6 +47,8 @@ pub struct Communicator {
     topology: Topology,
     closed: AtomicBool,
     workers: Workers,
+    /// Which threads may call collectives (`cfg.threads`), and the collectives running.
+    threads: Arc<Threads>,
     /// A subgroup's owner, whose links it uses (kept open while the subgroup lives).
     owner: Option<Owner>,
 }
@@ -70,6 +75,7 @@ impl Communicator {
         // Settings are checked before anything is published, so a typo fails every rank at once.
         selector(&cfg, Topology::FullMesh)?;
         let mesh = bootstrap::bootstrap(store, &cfg)?;
+        let cfg_threads = cfg.threads;
         Ok(Arc::new(Communicator {
             selector: selector(&cfg, mesh.topology)?,
             cfg,
@@ -80,6 +86,7 @@ impl Communicator {
             topology: mesh.topology,
             closed: AtomicBool::new(false),
             workers: Workers::new(),
+            threads: Threads::new(cfg_threads),
             owner: None,
         }))
     }
@@ -131,6 +138,7 @@ impl Communicator {
             .iter()
             .filter_map(|l| Some(LinkRecord { peer: ranks.iter().position(|&r| r == l.peer)?, ..l.clone() }))
             .collect();
+        let threads = cfg.threads;
         Ok(Arc::new(Communicator {
             selector: selector(&cfg, self.topology)?,
             cfg,
@@ -141,6 +149,7 @@ impl Communicator {
             topology: self.topology,
             closed: AtomicBool::new(false),
             workers: Workers::new(),
+            threads: Threads::new(threads),
             owner: Some(Owner { comm: self.clone(), ranks: ranks.to_vec() }),
         }))
     }
@@ -174,6 +183,19 @@ impl Communicator {
         Ok(())
     }
 
+    /// The calling thread's turn to run collective `what`, under `cfg.threads`. Another thread's
+    /// collective running at the same time breaks the communicator: the running one may already
+    /// be paired with a different call on another rank, and every rank must hear so.
+    fn turn(&self, what: &str) -> Result<Turn> {
+        self.threads.start(what).map_err(|refusal| match refusal {
+            Refusal::NotCreator(e) => e,
+            Refusal::Overlap(e) => {
+                self.abort(&e.to_string());
+                e
+            }
+        })
+    }
+
     fn plan(&self, req: &CollRequest) -> Result<Plan> {
         self.usable()?;
         let planner = Planner {
@@ -200,10 +222,12 @@ impl Communicator {
     /// `req.input` and `req.output` must follow the contract of [`crate::raw`]: valid, and not
     /// touched by anything else, until the returned Work has completed.
     pub unsafe fn collective(self: &Arc<Self>, req: CollRequest, inline: bool) -> Result<Work> {
+        let turn = self.turn(req.coll.name())?;
         let Plan { spec, sched, layout } = self.plan(&req)?;
         let (input, output) = (req.input, req.output);
         let me = self.clone();
         self.submit(inline, self.caller_reads(inline, input.len.max(output.len)), Box::new(move || {
+            let _turn = turn;
             run_collective(&me.session, &spec, &sched, &layout, input, output).map(|_| 0)
         }))
     }
@@ -214,6 +238,7 @@ impl Communicator {
     /// until the deadline. Nothing is kept of the call anywhere and the communicator stays
     /// usable. Returns the refused call's sequence number.
     pub fn refuse(&self, reason: &str) -> Result<u64> {
+        let _turn = self.turn("a refused call")?;
         self.usable()?;
         let seq = self.seq.fetch_add(1, Ordering::SeqCst);
         self.session.mailbox.finish_refused(seq);
@@ -275,6 +300,7 @@ impl Communicator {
 
     /// Every rank waits until every rank has entered the barrier.
     pub fn barrier(self: &Arc<Self>, timeout: Option<Duration>, inline: bool) -> Result<Work> {
+        let turn = self.turn("barrier")?;
         let mut token = Box::new([1u8]);
         let buf = RawBuf::of(&mut token[..]);
         let req = CollRequest {
@@ -294,6 +320,7 @@ impl Communicator {
         spec.what = format!("barrier #{}", spec.seq).into();
         let me = self.clone();
         self.submit(inline, inline, Box::new(move || {
+            let _turn = turn;
             let r = run_collective(&me.session, &spec, &sched, &layout, buf, buf).map(|_| 0);
             drop(token);
             r
