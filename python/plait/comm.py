@@ -96,18 +96,17 @@ class Communicator:
     def __init__(self, store: Any, rank: int, world_size: int, *, timeout: Optional[float] = None,
                  group: str = "default", epoch: int = 0, algo: Optional[str] = None,
                  threads: str = "creator") -> None:
-        world_size = _int(world_size, "Communicator", "world_size")
-        if world_size < 1:
-            raise InvalidArgumentError(f"Communicator: world_size must be >= 1, got {world_size}")
-        rank = check_rank(rank, world_size, "Communicator", "rank")
-        kw = {"group": group, "epoch": _int(epoch, "Communicator", "epoch")}
+        w = "Communicator"
+        world_size = _core.check_argument("world_size", _int(world_size, w, "world_size"), w)
+        rank = check_rank(rank, world_size, w, "rank")
+        kw = {"group": _str(group, w, "group"), "epoch": _core.check_argument("epoch", _int(epoch, w, "epoch"), w)}
         if timeout is not None:
             kw["timeout"] = _timeout(timeout, "Communicator")
         if algo is not None:
-            kw["algo"] = algo
+            kw["algo"] = _str(algo, w, "algo")
         self._store = store
         self._pending = []
-        self._comm = _core.Comm(store, rank, world_size, threads=threads, **kw)
+        self._comm = _core.Comm(store, rank, world_size, threads=_str(threads, w, "threads"), **kw)
 
     # -- identity ------------------------------------------------------------------------------
     @property
@@ -449,13 +448,12 @@ def _tag(tag, what):
     return tag
 
 
+def _str(v, what, name):
+    if not isinstance(v, str):
+        raise InvalidArgumentError(f"{what}: {name} must be a str, got {v!r}")
+    return v
+
+
 def _timeout(t, what):
-    if t is None:
-        return None
-    try:
-        t = float(t)
-    except (TypeError, ValueError):
-        raise InvalidArgumentError(f"{what}: timeout must be a number of seconds, got {t!r}") from None
-    if not t > 0:
-        raise InvalidArgumentError(f"{what}: timeout must be > 0 seconds, got {t}")
-    return t
+    """Seconds, in the core's range (it names the call and the range otherwise)."""
+    return None if t is None else _core.check_argument("timeout", t, what)

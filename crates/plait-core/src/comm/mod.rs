@@ -12,7 +12,7 @@ mod topology;
 mod work;
 mod workers;
 
-pub use config::{setting, CommConfig, Setting, SETTINGS};
+pub use config::{argument_range, check_argument, check_setting, refuse_argument, check_timeout, setting, CommConfig, Range, Setting, ARGUMENTS, SETTINGS};
 pub use threads::ThreadUse;
 pub use topology::{LinkRecord, Topology};
 pub use work::Work;
@@ -72,6 +72,7 @@ fn selector(cfg: &CommConfig, topology: Topology) -> Result<Selector> {
 impl Communicator {
     /// Meets the other ranks through `store` and connects to every one of them.
     pub fn new(store: &dyn Store, cfg: CommConfig) -> Result<Arc<Communicator>> {
+        cfg.validate()?;
         // Settings are checked before anything is published, so a typo fails every rank at once.
         selector(&cfg, Topology::FullMesh)?;
         let mesh = bootstrap::bootstrap(store, &cfg)?;
@@ -99,6 +100,7 @@ impl Communicator {
     /// the other subgroups working. `timeout` and `algo` default to this one's.
     pub fn subgroup(self: &Arc<Self>, name: &str, ranks: &[usize], timeout: Option<Duration>, algo: Option<String>) -> Result<Arc<Communicator>> {
         self.usable()?;
+        timeout.map(|t| check_timeout("subgroup", t)).transpose()?;
         if let Some(owner) = &self.owner {
             // A subgroup of a subgroup: a subgroup of the links' owner, with the ranks translated.
             let mut in_owner = Vec::with_capacity(ranks.len());
@@ -223,6 +225,7 @@ impl Communicator {
     /// touched by anything else, until the returned Work has completed.
     pub unsafe fn collective(self: &Arc<Self>, req: CollRequest, inline: bool) -> Result<Work> {
         let turn = self.turn(req.coll.name())?;
+        req.timeout.map(|t| check_timeout(req.coll.name(), t)).transpose()?;
         let Plan { spec, sched, layout } = self.plan(&req)?;
         let (input, output) = (req.input, req.output);
         let me = self.clone();
@@ -265,7 +268,7 @@ impl Communicator {
             return Err(PlaitError::invalid("send: a rank cannot send to itself"));
         }
         self.check_tag("send", tag)?;
-        let timeout = timeout.unwrap_or(self.cfg.timeout);
+        let timeout = check_timeout("send", timeout.unwrap_or(self.cfg.timeout))?;
         let what: Arc<str> = format!("send to rank {peer} (tag {tag}, {} bytes)", data.len).into();
         let caller_reads = self.caller_reads(inline, data.len);
         self.session.set_caller_progress(caller_reads);
@@ -288,7 +291,7 @@ impl Communicator {
                 return Err(PlaitError::invalid("recv: a rank cannot receive from itself"));
             }
         }
-        let timeout = timeout.unwrap_or(self.cfg.timeout);
+        let timeout = check_timeout("recv", timeout.unwrap_or(self.cfg.timeout))?;
         let from = src.map(|s| format!("rank {s}")).unwrap_or_else(|| "any rank".into());
         let what: Arc<str> = format!("recv from {from} (tag {tag}, {} bytes)", data.len).into();
         let caller_reads = self.caller_reads(inline, data.len);
@@ -301,6 +304,7 @@ impl Communicator {
     /// Every rank waits until every rank has entered the barrier.
     pub fn barrier(self: &Arc<Self>, timeout: Option<Duration>, inline: bool) -> Result<Work> {
         let turn = self.turn("barrier")?;
+        timeout.map(|t| check_timeout("barrier", t)).transpose()?;
         let mut token = Box::new([1u8]);
         let buf = RawBuf::of(&mut token[..]);
         let req = CollRequest {

@@ -78,7 +78,11 @@ impl Workers {
                     }
                     Err(crossbeam_channel::RecvTimeoutError::Disconnected) => return,
                 };
-                job.work.complete((job.run)());
+                // A panic (a bug) fails its operation with an error instead of leaving the Work
+                // never completed and its waiter stuck.
+                let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(job.run))
+                    .unwrap_or_else(|p| Err(PlaitError::from_panic("an asynchronous operation", p)));
+                job.work.complete(result);
                 idle.fetch_add(1, Ordering::SeqCst);
             })
             .map_err(|e| PlaitError::Io(format!("cannot start a worker thread: {e}")))?;
