@@ -355,12 +355,18 @@ impl PyComm {
     #[pyo3(signature = (reason="abort() called".to_string()))]
     fn abort(&self, py: Python<'_>, reason: String) {
         let comm = self.comm.clone();
-        let _ = py.allow_threads(move || guarded("abort", || Ok(comm.abort(&reason))));
+        let _ = py.allow_threads(move || guarded("abort", || {
+            comm.abort(&reason);
+            Ok(())
+        }));
     }
 
     fn close(&self, py: Python<'_>) {
         let comm = self.comm.clone();
-        let _ = py.allow_threads(move || guarded("close", || Ok(comm.close())));
+        let _ = py.allow_threads(move || guarded("close", || {
+            comm.close();
+            Ok(())
+        }));
     }
 
     #[pyo3(signature = (coll, nbytes, root=0))]
