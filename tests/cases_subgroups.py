@@ -9,7 +9,9 @@ import plait
 
 def run(ctx):
     n, me = ctx.n, ctx.rank
-    comm = ctx.new_comm(timeout=20)
+    # The world and its subgroups are created here and each driven from a thread of its own below,
+    # one thread per communicator: "sequential" (the default lets only the creating thread call).
+    comm = ctx.new_comm(timeout=20, threads="sequential")
     evens = list(range(0, n, 2))
     odds = list(range(1, n, 2))
     mine = comm.subgroup(evens if me % 2 == 0 else odds, "parity")

@@ -13,8 +13,10 @@ torch_dist = pytest.importorskip("torch.distributed")
 
 
 def _comms(n, store=None, **kw):
-    """n communicators in this process (one thread each while they meet)."""
+    """n communicators in this process (one thread each while they meet). They are used from
+    other threads afterwards, one call at a time: threads="sequential"."""
     store = torch_dist.HashStore() if store is None else store
+    kw.setdefault("threads", "sequential")
     comms, errors = [None] * n, []
 
     def build(r):

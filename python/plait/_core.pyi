@@ -22,6 +22,8 @@ class SettingInfo(TypedDict):
     kind: str
     default: str
     doc: str
+    min: Optional[float]  # the range of a numeric setting (None for text and choices)
+    max: Optional[float]
 
 class RouteInfo(TypedDict):
     peer: int
@@ -71,6 +73,7 @@ class Comm:
     epoch: int
     group: str
     timeout: float
+    threads: str
     def __init__(
         self,
         store: Any,
@@ -81,6 +84,7 @@ class Comm:
         group: str = "default",
         epoch: int = 0,
         algo: Optional[str] = None,
+        threads: str = "creator",
     ) -> None: ...
     def collective(
         self,
@@ -123,3 +127,5 @@ def check_op(op: NameOrCode, dtype: NameOrCode, factor: Optional[float] = None) 
 def setting(name: str) -> Optional[str]: ...
 def env_config() -> dict[str, Any]: ...
 def wire_name(name: str) -> str: ...
+def check_argument(name: str, value: Any, what: str = "") -> Any: ...
+def check_setting(name: str, text: str) -> float: ...

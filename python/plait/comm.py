@@ -79,22 +79,34 @@ class Work:
 
 class Communicator:
     """`world_size` processes that meet through `store` (torch's TCPStore or anything with
-    set / get / wait) and then talk over a full mesh of TCP connections."""
+    set / get / wait) and then talk over a full mesh of TCP connections.
+
+    Threads: ranks match collectives by the order each rank calls them, so the collectives of one
+    communicator (barrier included) must come from one thread. With `threads="creator"` (the
+    default) only the thread that created the communicator may call them; any other thread gets
+    InvalidArgumentError before anything is sent. For several threads, give each its own
+    subgroup, created on that thread (`comm.subgroup(ranks, name)`). `threads="sequential"` lets
+    any thread call, one at a time, when your program orders the calls the same on every rank: a
+    collective started while another thread's is still running raises InvalidArgumentError and
+    breaks the communicator on every rank (it may have been paired with a different call on
+    another rank); calls that never overlap cannot be checked. Waiting for a Work, `abort()`,
+    `close()`, `send` and `recv` (matched per peer and tag) work from any thread.
+    """
 
     def __init__(self, store: Any, rank: int, world_size: int, *, timeout: Optional[float] = None,
-                 group: str = "default", epoch: int = 0, algo: Optional[str] = None) -> None:
-        world_size = _int(world_size, "Communicator", "world_size")
-        if world_size < 1:
-            raise InvalidArgumentError(f"Communicator: world_size must be >= 1, got {world_size}")
-        rank = check_rank(rank, world_size, "Communicator", "rank")
-        kw = {"group": group, "epoch": _int(epoch, "Communicator", "epoch")}
+                 group: str = "default", epoch: int = 0, algo: Optional[str] = None,
+                 threads: str = "creator") -> None:
+        w = "Communicator"
+        world_size = _core.check_argument("world_size", _int(world_size, w, "world_size"), w)
+        rank = check_rank(rank, world_size, w, "rank")
+        kw = {"group": _str(group, w, "group"), "epoch": _core.check_argument("epoch", _int(epoch, w, "epoch"), w)}
         if timeout is not None:
             kw["timeout"] = _timeout(timeout, "Communicator")
         if algo is not None:
-            kw["algo"] = algo
+            kw["algo"] = _str(algo, w, "algo")
         self._store = store
         self._pending = []
-        self._comm = _core.Comm(store, rank, world_size, **kw)
+        self._comm = _core.Comm(store, rank, world_size, threads=_str(threads, w, "threads"), **kw)
 
     # -- identity ------------------------------------------------------------------------------
     @property
@@ -114,6 +126,11 @@ class Communicator:
     @property
     def group(self) -> str:
         return self._comm.group
+
+    @property
+    def threads(self) -> str:
+        """Which threads may call collectives: "creator" or "sequential" (see the class)."""
+        return self._comm.threads
 
     def __repr__(self):
         return f"<plait.Communicator rank {self.rank}/{self.world_size} group {self.group!r} epoch {self.epoch}>"
@@ -137,7 +154,9 @@ class Communicator:
         one's connections: no socket is opened and nothing is sent, so it costs microseconds. Every
         member calls it with the same `ranks` and `name`; a name serves one subgroup only. It fails
         if this communicator fails, but its own failures (a timeout, a mismatch) leave this one
-        and the other subgroups working. Close it before this one."""
+        and the other subgroups working. Close it before this one. Its collectives belong to the
+        thread that creates it (with threads="creator"): a subgroup per thread is how several
+        threads run collectives at once."""
         ranks = [check_rank(r, self.world_size, "subgroup", "ranks") for r in ranks]
         kw = {}
         if timeout is not None:
@@ -429,13 +448,12 @@ def _tag(tag, what):
     return tag
 
 
+def _str(v, what, name):
+    if not isinstance(v, str):
+        raise InvalidArgumentError(f"{what}: {name} must be a str, got {v!r}")
+    return v
+
+
 def _timeout(t, what):
-    if t is None:
-        return None
-    try:
-        t = float(t)
-    except (TypeError, ValueError):
-        raise InvalidArgumentError(f"{what}: timeout must be a number of seconds, got {t!r}") from None
-    if not t > 0:
-        raise InvalidArgumentError(f"{what}: timeout must be > 0 seconds, got {t}")
-    return t
+    """Seconds, in the core's range (it names the call and the range otherwise)."""
+    return None if t is None else _core.check_argument("timeout", t, what)

@@ -36,6 +36,9 @@ pub enum PlaitError {
     Rendezvous(String),
     #[error("I/O: {0}")]
     Io(String),
+    /// A bug in plait (a panic caught where it would have crossed a thread or the FFI boundary).
+    #[error("internal error, please report it: {0}")]
+    Internal(String),
 }
 
 fn op_prefix(op: &str) -> String {
@@ -108,7 +111,15 @@ impl PlaitError {
             PlaitError::Broken(_) => "broken",
             PlaitError::Rendezvous(_) => "rendezvous",
             PlaitError::Io(_) => "io",
+            PlaitError::Internal(_) => "internal",
         }
+    }
+}
+
+impl PlaitError {
+    /// `what` panicked with `payload` (what `catch_unwind` returns).
+    pub fn from_panic(what: &str, payload: Box<dyn std::any::Any + Send>) -> PlaitError {
+        PlaitError::Internal(format!("{what} panicked: {}", panic_message(&*payload)))
     }
 }
 

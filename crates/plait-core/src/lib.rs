@@ -25,7 +25,10 @@ mod session;
 mod store;
 
 pub use codec::Wire;
-pub use comm::{setting, CommConfig, Communicator, LinkRecord, Setting, Topology, Work, SETTINGS};
+pub use comm::{
+    argument_range, check_argument, check_setting, refuse_argument, check_timeout, setting, CommConfig, Communicator, LinkRecord, Range, Setting, ThreadUse, Topology, Work,
+    ARGUMENTS, SETTINGS,
+};
 pub use dtype::{DType, ReduceOp};
 pub use error::{PlaitError, Result};
 pub use exec::CollRequest;

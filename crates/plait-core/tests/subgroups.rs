@@ -3,7 +3,7 @@
 //! Every `unsafe` call here passes buffers that live on the calling test's stack or heap until
 //! it has waited for the call's Work: the contract of `plait_core::RawBuf`.
 
-use plait_core::{CollRequest, Collective, CommConfig, Communicator, DType, MemStore, PlaitError, RawBuf, ReduceOp};
+use plait_core::{CollRequest, Collective, CommConfig, Communicator, DType, MemStore, PlaitError, RawBuf, ReduceOp, ThreadUse};
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
@@ -18,6 +18,9 @@ fn world<T: Send + 'static>(n: usize, f: impl Fn(Arc<Communicator>, &Barrier) ->
                 let mut cfg = CommConfig::from_env(r, n).unwrap();
                 cfg.timeout = Duration::from_secs(20);
                 cfg.segment_bytes = 4096;
+                // The tests drive the world and its subgroups from threads other than the one
+                // that created them, each communicator from one thread at a time.
+                cfg.threads = ThreadUse::Sequential;
                 let comm = Communicator::new(&*store, cfg).unwrap();
                 let out = f(comm.clone(), &barrier);
                 comm.close();

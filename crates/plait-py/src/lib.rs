@@ -1,7 +1,7 @@
 //! `plait._core`: thin PyO3 bindings over plait-core. No logic lives here; every blocking call
 //! releases the GIL.
 
-use plait_core::{CollRequest, Collective, CommConfig, Communicator, DType, PlaitError, RawBuf, ReduceOp, Store, Wire, Work};
+use plait_core::{CollRequest, Collective, CommConfig, Communicator, DType, PlaitError, RawBuf, ReduceOp, Store, ThreadUse, Wire, Work};
 use pyo3::prelude::*;
 use pyo3::sync::GILOnceCell;
 use pyo3::types::{PyBool, PyBytes, PyDict, PyString, PyTuple, PyType};
@@ -49,6 +49,7 @@ fn to_py(err: PlaitError) -> PyErr {
             PlaitError::Aborted { .. } => "AbortedError",
             PlaitError::Broken(_) => "BrokenError",
             PlaitError::Rendezvous(_) => "RendezvousError",
+            PlaitError::Internal(_) => "PlaitError",
         };
         PyErr::from_type(exc_class(py, name), err.to_string())
     })
@@ -81,12 +82,16 @@ impl Store for PyStore {
     }
 }
 
-fn secs(t: Option<f64>) -> PyResult<Option<Duration>> {
-    match t {
-        None => Ok(None),
-        Some(s) if s > 0.0 && s.is_finite() => Ok(Some(Duration::from_secs_f64(s))),
-        Some(s) => Err(invalid(format!("timeout must be a positive number of seconds, got {s}"))),
-    }
+/// A timeout argument of call `what`, checked by the core (in range, so the conversion cannot
+/// panic).
+fn secs(what: &str, t: Option<f64>) -> PyResult<Option<Duration>> {
+    t.map(|s| plait_core::check_argument(what, "timeout", s).map(Duration::from_secs_f64).map_err(to_py)).transpose()
+}
+
+/// Runs a call into the core; a panic (a bug in plait) comes out as a PlaitError naming the call,
+/// never as pyo3's PanicException.
+fn guarded<T>(what: &str, f: impl FnOnce() -> plait_core::Result<T>) -> plait_core::Result<T> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).unwrap_or_else(|p| Err(PlaitError::from_panic(what, p)))
 }
 
 /// A dtype, operator or collective as Python passes it: the core's integer code (as listed in
@@ -167,9 +172,9 @@ impl PyWork {
     /// `timeout` seconds passed first. Raises the operation's error.
     #[pyo3(signature = (timeout=None))]
     fn wait(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<bool> {
-        let t = secs(timeout)?;
+        let t = secs("Work.wait", timeout)?;
         let work = self.work.clone();
-        match py.allow_threads(move || work.wait(t)) {
+        match py.allow_threads(move || guarded("Work.wait", || Ok(work.wait(t)))).map_err(to_py)? {
             None => Ok(false),
             Some(Ok(_)) => Ok(true),
             Some(Err(e)) => Err(to_py(e)),
@@ -203,10 +208,14 @@ impl PyComm {
 #[pymethods]
 impl PyComm {
     #[new]
-    #[pyo3(signature = (store, rank, size, *, timeout=None, group="default".to_string(), epoch=0, algo=None))]
-    fn new(py: Python<'_>, store: PyObject, rank: usize, size: usize, timeout: Option<f64>, group: String, epoch: u64, algo: Option<String>) -> PyResult<Self> {
+    #[pyo3(signature = (store, rank, size, *, timeout=None, group="default".to_string(), epoch=0, algo=None, threads="creator".to_string()))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(py: Python<'_>, store: PyObject, rank: usize, size: usize, timeout: Option<f64>, group: String, epoch: u64, algo: Option<String>, threads: String) -> PyResult<Self> {
         let mut cfg = CommConfig::from_env(rank, size).map_err(to_py)?;
-        if let Some(t) = secs(timeout)? {
+        cfg.threads = ThreadUse::from_name(&threads).ok_or_else(|| {
+            invalid(format!("threads={threads:?}: one of {}", ThreadUse::ALL.map(|t| t.name()).join(", ")))
+        })?;
+        if let Some(t) = secs("Comm", timeout)? {
             cfg.timeout = t;
         }
         cfg.group = group;
@@ -215,7 +224,7 @@ impl PyComm {
             cfg.algo = algo;
         }
         let store = PyStore(store);
-        let comm = py.allow_threads(move || Communicator::new(&store, cfg)).map_err(to_py)?;
+        let comm = py.allow_threads(move || guarded("Comm", || Communicator::new(&store, cfg))).map_err(to_py)?;
         Ok(PyComm { comm })
     }
 
@@ -238,6 +247,11 @@ impl PyComm {
     #[getter]
     fn timeout(&self) -> f64 {
         self.comm.config().timeout.as_secs_f64()
+    }
+    /// Which threads may call collectives: "creator" or "sequential".
+    #[getter]
+    fn threads(&self) -> &'static str {
+        self.comm.config().threads.name()
     }
 
     /// Starts a collective over raw host memory. `inline=True` runs it on this thread (GIL
@@ -276,42 +290,47 @@ impl PyComm {
             output: buf(recv_ptr, recv_nbytes),
             send_counts,
             recv_counts,
-            timeout: secs(timeout)?,
+            timeout: secs(coll.name(), timeout)?,
             algo,
             wire,
         };
         let comm = self.comm.clone();
         // SAFETY: the Python caller (plait.comm, plait.torch) keeps both buffers alive and
         // untouched until the returned Work has completed: the contract of `plait_core::RawBuf`.
-        let r = if inline { py.allow_threads(move || unsafe { comm.collective(req, true) }) } else { unsafe { comm.collective(req, false) } };
+        let name = coll.name();
+        let r = if inline {
+            py.allow_threads(move || guarded(name, || unsafe { comm.collective(req, true) }))
+        } else {
+            guarded(name, || unsafe { comm.collective(req, false) })
+        };
         self.work(r)
     }
 
     #[pyo3(signature = (ptr, nbytes, dtype, dst, tag=0, *, timeout=None, inline=false))]
     #[allow(clippy::too_many_arguments)]
     fn send(&self, py: Python<'_>, ptr: usize, nbytes: usize, dtype: Named, dst: usize, tag: u64, timeout: Option<f64>, inline: bool) -> PyResult<PyWork> {
-        let (dt, t, comm) = (self::dtype(dtype)?, secs(timeout)?, self.comm.clone());
+        let (dt, t, comm) = (self::dtype(dtype)?, secs("send", timeout)?, self.comm.clone());
         let data = buf(ptr, nbytes);
         // SAFETY: as in `collective`: the caller keeps the buffer until the Work completes.
-        let r = py.allow_threads(move || unsafe { comm.send(data, dt, dst, tag, t, inline) });
+        let r = py.allow_threads(move || guarded("send", || unsafe { comm.send(data, dt, dst, tag, t, inline) }));
         self.work(r)
     }
 
     #[pyo3(signature = (ptr, nbytes, dtype, src, tag=0, *, timeout=None, inline=false))]
     #[allow(clippy::too_many_arguments)]
     fn recv(&self, py: Python<'_>, ptr: usize, nbytes: usize, dtype: Named, src: i64, tag: u64, timeout: Option<f64>, inline: bool) -> PyResult<PyWork> {
-        let (dt, t, comm) = (self::dtype(dtype)?, secs(timeout)?, self.comm.clone());
+        let (dt, t, comm) = (self::dtype(dtype)?, secs("recv", timeout)?, self.comm.clone());
         let src = if src < 0 { None } else { Some(src as usize) };
         let data = buf(ptr, nbytes);
         // SAFETY: as in `collective`: the caller keeps the buffer until the Work completes.
-        let r = py.allow_threads(move || unsafe { comm.recv(data, dt, src, tag, t, inline) });
+        let r = py.allow_threads(move || guarded("recv", || unsafe { comm.recv(data, dt, src, tag, t, inline) }));
         self.work(r)
     }
 
     #[pyo3(signature = (*, timeout=None, inline=false))]
     fn barrier(&self, py: Python<'_>, timeout: Option<f64>, inline: bool) -> PyResult<PyWork> {
-        let (t, comm) = (secs(timeout)?, self.comm.clone());
-        let r = py.allow_threads(move || comm.barrier(t, inline));
+        let (t, comm) = (secs("barrier", timeout)?, self.comm.clone());
+        let r = py.allow_threads(move || guarded("barrier", || comm.barrier(t, inline)));
         self.work(r)
     }
 
@@ -320,9 +339,9 @@ impl PyComm {
     /// ranks; a name serves one subgroup of this communicator only.
     #[pyo3(signature = (name, ranks, *, timeout=None, algo=None))]
     fn subgroup(&self, py: Python<'_>, name: String, ranks: Vec<usize>, timeout: Option<f64>, algo: Option<String>) -> PyResult<Self> {
-        let timeout = secs(timeout)?;
+        let timeout = secs("subgroup", timeout)?;
         let comm = self.comm.clone();
-        let sub = py.allow_threads(move || comm.subgroup(&name, &ranks, timeout, algo)).map_err(to_py)?;
+        let sub = py.allow_threads(move || guarded("subgroup", || comm.subgroup(&name, &ranks, timeout, algo))).map_err(to_py)?;
         Ok(PyComm { comm: sub })
     }
 
@@ -330,18 +349,24 @@ impl PyComm {
     /// it fails with that reason instead of waiting. Returns its sequence number.
     fn refuse(&self, py: Python<'_>, reason: String) -> PyResult<u64> {
         let comm = self.comm.clone();
-        py.allow_threads(move || comm.refuse(&reason)).map_err(to_py)
+        py.allow_threads(move || guarded("refuse", || comm.refuse(&reason))).map_err(to_py)
     }
 
     #[pyo3(signature = (reason="abort() called".to_string()))]
     fn abort(&self, py: Python<'_>, reason: String) {
         let comm = self.comm.clone();
-        py.allow_threads(move || comm.abort(&reason));
+        let _ = py.allow_threads(move || guarded("abort", || {
+            comm.abort(&reason);
+            Ok(())
+        }));
     }
 
     fn close(&self, py: Python<'_>) {
         let comm = self.comm.clone();
-        py.allow_threads(move || comm.close());
+        let _ = py.allow_threads(move || guarded("close", || {
+            comm.close();
+            Ok(())
+        }));
     }
 
     #[pyo3(signature = (coll, nbytes, root=0))]
@@ -432,6 +457,37 @@ fn setting(name: &str) -> PyResult<Option<String>> {
     Ok(plait_core::setting(name))
 }
 
+/// A number argument `name` of call `what` ("timeout", "world_size", "epoch": `ARGUMENTS`), as
+/// the core checks its own: returned (an int for whole-number ranges) when within range, else
+/// InvalidArgumentError naming the call, the argument and the range.
+#[pyfunction]
+#[pyo3(signature = (name, value, what=""))]
+fn check_argument<'py>(py: Python<'py>, name: &str, value: &Bound<'py, PyAny>, what: &str) -> PyResult<Bound<'py, PyAny>> {
+    let range = plait_core::argument_range(name).map_err(to_py)?;
+    // A bool is not a number here; an int too large for a float is out of range like any other.
+    let number = if value.is_instance_of::<PyBool>() { None } else { value.extract::<f64>().ok() };
+    let Some(v) = number else {
+        let mut shown = value.repr().map(|r| r.to_string()).unwrap_or_else(|_| "?".into());
+        if shown.len() > 40 {
+            shown = format!("{}...", shown.chars().take(37).collect::<String>());
+        }
+        return Err(to_py(plait_core::refuse_argument(what, name, &shown)));
+    };
+    let v = plait_core::check_argument(what, name, v).map_err(to_py)?;
+    if range.integer {
+        Ok((v as i64).into_pyobject(py)?.into_any())
+    } else {
+        Ok(v.into_pyobject(py)?.into_any())
+    }
+}
+
+/// The value of numeric setting `name` written as `text`, as the core parses it (ConfigError
+/// naming the setting and its range when it is not a number in range).
+#[pyfunction]
+fn check_setting(name: &str, text: &str) -> PyResult<f64> {
+    plait_core::check_setting(name, text).map_err(to_py)
+}
+
 /// The core's settings as the core parses them from the environment (raises ConfigError, naming
 /// the setting, when one is malformed): timeout (seconds), algo, wire, segment_bytes, streams,
 /// caller_read_bytes, busy_poll_us.
@@ -502,6 +558,8 @@ fn add_tables(m: &Bound<'_, PyModule>) -> PyResult<()> {
             ("kind", s.kind.into_pyobject(py)?.into_any()),
             ("default", s.default.into_pyobject(py)?.into_any()),
             ("doc", s.doc.into_pyobject(py)?.into_any()),
+            ("min", s.range.map(|r| r.min).into_pyobject(py)?.into_any()),
+            ("max", s.range.map(|r| r.max).into_pyobject(py)?.into_any()),
         ]);
     }
     m.add("SETTINGS", tuple_of_dicts(rows)?)?;
@@ -549,6 +607,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(setting, m)?)?;
     m.add_function(wrap_pyfunction!(env_config, m)?)?;
     m.add_function(wrap_pyfunction!(wire_name, m)?)?;
+    m.add_function(wrap_pyfunction!(check_argument, m)?)?;
+    m.add_function(wrap_pyfunction!(check_setting, m)?)?;
     add_tables(m)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())

@@ -15,7 +15,8 @@ from .engine import Op, issue
 from .monitored_barrier import monitored_barrier
 from .staging import invalid
 from .work import PlaitWork, Sub, seconds
-from .._core import InvalidArgumentError
+from .. import _core
+from .._core import InvalidArgumentError, PlaitError
 
 _AllreduceCoalescedOptions = getattr(dist, "AllreduceCoalescedOptions", dist.AllreduceOptions)
 
@@ -110,7 +111,10 @@ class Methods:
         t = seconds(timeout)
         if t is None:
             raise invalid(f"set_timeout: the timeout must be positive, got {timeout}")
-        self._g.default_timeout = t
+        try:
+            self._g.default_timeout = _core.check_argument("timeout", t, "set_timeout")
+        except PlaitError as e:
+            raise invalid(str(e)) from None
 
     _set_default_timeout = set_timeout
 

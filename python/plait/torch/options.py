@@ -64,9 +64,10 @@ class PlaitOptions:
                 t = _core.env_config()["timeout"]
             o.timeout = t
         if o.timeout is not None:
-            o.timeout = float(o.timeout)
-            if not o.timeout > 0:
-                raise ConfigError(f"plait: timeout must be a positive number of seconds, got {o.timeout}")
+            try:
+                o.timeout = _core.check_argument("timeout", o.timeout, "plait")
+            except _core.InvalidArgumentError as e:
+                raise ConfigError(str(e)) from None
         if o.algo is None:
             o.algo = _core.setting("PLAIT_ALGO")
         if o.wire_dtype is None:
@@ -80,11 +81,15 @@ class PlaitOptions:
         if o.inline not in _INLINE:
             raise ConfigError(f"plait: inline must be one of {', '.join(_INLINE)}, got {o.inline!r}")
         if o.inline_bytes is None:
-            o.inline_bytes = int(_float_env("PLAIT_TORCH_INLINE_BYTES", 1 << 20))
+            o.inline_bytes = int(_number_env("PLAIT_TORCH_INLINE_BYTES", 1 << 20))
+        else:
+            o.inline_bytes = _option_number(o.inline_bytes, "inline_bytes", "PLAIT_TORCH_INLINE_BYTES")
         if o.force_staging is None:
             o.force_staging = (_core.setting("PLAIT_TORCH_STAGING") or "").strip().lower() in ("1", "true", "yes", "on")
         if o.staging_cache_bytes is None:
-            o.staging_cache_bytes = int(_float_env("PLAIT_TORCH_STAGING_CACHE", 256 << 20))
+            o.staging_cache_bytes = int(_number_env("PLAIT_TORCH_STAGING_CACHE", 256 << 20))
+        else:
+            o.staging_cache_bytes = _option_number(o.staging_cache_bytes, "staging_cache_bytes", "PLAIT_TORCH_STAGING_CACHE")
         if o.subgroup_links is None:
             o.subgroup_links = _core.setting("PLAIT_TORCH_SUBGROUP_LINKS") or "shared"
         if o.subgroup_links not in _LINKS:
@@ -92,14 +97,18 @@ class PlaitOptions:
         return o
 
 
-def _float_env(name, default=None):
-    v = (_core.setting(name) or "").strip()
-    if not v:
-        return default
+def _number_env(name, default):
+    """A numeric setting as the core parses it (ConfigError naming it and its range)."""
+    v = _core.setting(name)
+    return default if v is None else _core.check_setting(name, v)
+
+
+def _option_number(value, name, env):
+    """An explicit option checked against its setting's range."""
     try:
-        return float(v)
-    except ValueError:
-        raise ConfigError(f"{name}={v!r} is not a number") from None
+        return int(_core.check_setting(env, str(value)))
+    except ConfigError as e:
+        raise ConfigError(f"plait: {name} ({e})") from None
 
 
 def from_pg_options(obj):

@@ -65,16 +65,8 @@ _last_paths = None
 
 
 def entries_setting():
-    v = (_core.setting("PLAIT_TRACE_ENTRIES") or "").strip()
-    if not v:
-        return 2000
-    try:
-        n = int(v)
-    except ValueError:
-        raise _core.ConfigError(f"PLAIT_TRACE_ENTRIES={v!r} is not a whole number") from None
-    if n < 0:
-        raise _core.ConfigError(f"PLAIT_TRACE_ENTRIES={v!r} must be 0 (off) or more")
-    return n
+    v = _core.setting("PLAIT_TRACE_ENTRIES")
+    return 2000 if v is None else int(_core.check_setting("PLAIT_TRACE_ENTRIES", v))
 
 
 def trace_dir():

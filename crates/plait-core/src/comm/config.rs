@@ -2,6 +2,7 @@
 //! environment. Every setting is in [`SETTINGS`] with its name, kind, default and meaning; the
 //! bindings hand that table to Python, and the README's table is checked against it.
 
+use super::threads::ThreadUse;
 use crate::codec::Wire;
 use crate::error::{PlaitError, Result};
 use std::time::Duration;
@@ -15,7 +16,72 @@ pub struct Setting {
     /// The default, as text ("" when unset means none).
     pub default: &'static str,
     pub doc: &'static str,
+    /// The values a numeric setting may take; None for text and choices.
+    pub range: Option<Range>,
 }
+
+/// The values a number plait takes may have, from the environment or as an argument. Settings
+/// and arguments are checked against these at the edge (here for Rust callers, through the
+/// bindings for Python's own arguments), so that no absurd value reaches a `Duration` or an
+/// `Instant` computation, which panic on overflow, infinity and NaN.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Range {
+    /// What the number counts, for errors: "a number of seconds".
+    pub unit: &'static str,
+    pub min: f64,
+    pub max: f64,
+    /// Whole numbers only.
+    pub integer: bool,
+}
+
+impl Range {
+    pub fn contains(&self, v: f64) -> bool {
+        v.is_finite() && v >= self.min && v <= self.max && (!self.integer || v.fract() == 0.0)
+    }
+
+    /// "must be a number of seconds between 0.001 and 31536000"
+    pub fn describe(&self) -> String {
+        let whole = if self.integer { "whole " } else { "" };
+        format!("must be a {whole}{} between {} and {}", self.unit, show(self.min), show(self.max))
+    }
+
+    /// `name=shown: must be ...`, for a value `shown` as the user wrote it.
+    fn refusal(&self, name: &str, shown: &str) -> String {
+        format!("{name}={shown}: {}", self.describe())
+    }
+}
+
+/// A number as users write it: whole numbers without a fraction.
+fn show(v: f64) -> String {
+    if v.is_finite() && v.fract() == 0.0 && v.abs() < 1e16 {
+        format!("{v:.0}")
+    } else {
+        format!("{v:?}")
+    }
+}
+
+/// A year: a deadline longer than that is a mistake, and every deadline (`Instant::now() +
+/// timeout`) stays far from overflow.
+pub const TIMEOUT: Range = Range { unit: "number of seconds", min: 0.001, max: 31_536_000.0, integer: false };
+/// A full mesh of this many ranks already needs 65 535 sockets per rank (and ranks travel as
+/// u32 in hellos).
+pub const MAX_WORLD_SIZE: usize = 1 << 16;
+pub const WORLD_SIZE: Range = Range { unit: "number of ranks", min: 1.0, max: MAX_WORLD_SIZE as f64, integer: true };
+/// Epochs count communicators rebuilt; 2^53 keeps them exact in a Python float.
+pub const EPOCH: Range = Range { unit: "number", min: 0.0, max: 9_007_199_254_740_992.0, integer: true };
+pub const MAX_SEGMENT_BYTES: usize = 1 << 30;
+const SEGMENT_BYTES: Range = Range { unit: "number of bytes", min: 1024.0, max: MAX_SEGMENT_BYTES as f64, integer: true };
+const STREAMS: Range = Range { unit: "number of connections per peer", min: 1.0, max: MAX_STREAMS as f64, integer: true };
+/// Sizes that only say "up to": anything from a TiB on means "everything".
+const BYTES_UP_TO: Range = Range { unit: "number of bytes (0: off)", min: 0.0, max: (1u64 << 40) as f64, integer: true };
+const UNEXPECTED_BYTES: Range =
+    Range { unit: "number of bytes", min: MIN_UNEXPECTED_BYTES as f64, max: (1u64 << 40) as f64, integer: true };
+const BUSY_POLL_US: Range = Range { unit: "number of microseconds (0: off)", min: 0.0, max: 1_000_000.0, integer: true };
+const STAGING_CACHE: Range = Range { unit: "number of bytes", min: 0.0, max: (1u64 << 48) as f64, integer: true };
+const TRACE_ENTRIES: Range = Range { unit: "number of operations (0: off)", min: 0.0, max: 10_000_000.0, integer: true };
+
+/// The arguments of the API with a range of their own (settings have theirs in [`SETTINGS`]).
+pub const ARGUMENTS: &[(&str, Range)] = &[("timeout", TIMEOUT), ("world_size", WORLD_SIZE), ("epoch", EPOCH)];
 
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
 pub const DEFAULT_SEGMENT_BYTES: usize = 1 << 20;
@@ -38,66 +104,77 @@ pub const SETTINGS: &[Setting] = &[
         kind: "seconds",
         default: "300",
         doc: "Deadline of start-up and of every operation; a peer silent for this long is named in the error.",
+        range: Some(TIMEOUT),
     },
     Setting {
         name: "PLAIT_IFACE",
         kind: "text",
         default: "",
         doc: "Interfaces to use, NCCL_SOCKET_IFNAME-like: name prefixes or CIDRs, comma-separated (`eth,10.1.0.0/16`); a leading `^` excludes them, a leading `=` makes names exact.",
+        range: None,
     },
     Setting {
         name: "PLAIT_ROUTES",
         kind: "text",
         default: "",
         doc: "Path of an N x N route matrix (JSON) that overrides subnet matching.",
+        range: None,
     },
     Setting {
         name: "PLAIT_ALGO",
         kind: "text",
         default: "",
         doc: "Force algorithms per collective: `allreduce:ring,allgather:direct`.",
+        range: None,
     },
     Setting {
         name: "PLAIT_WIRE_DTYPE",
         kind: "choice",
         default: "native",
         doc: "Wire compression of f32 allreduce: native, bf16, f16 or int8.",
+        range: None,
     },
     Setting {
         name: "PLAIT_SEGMENT_BYTES",
         kind: "bytes",
         default: "1048576",
         doc: "Pipeline segment size of collectives (at least 1024).",
+        range: Some(SEGMENT_BYTES),
     },
     Setting {
         name: "PLAIT_STREAMS",
         kind: "count",
         default: "1",
         doc: "TCP connections per pair of ranks (1 to 16), for links one stream cannot fill.",
+        range: Some(STREAMS),
     },
     Setting {
         name: "PLAIT_CALLER_READ_BYTES",
         kind: "bytes",
         default: "65536",
         doc: "Blocking calls up to this size read their links on the calling thread (0: off).",
+        range: Some(BYTES_UP_TO),
     },
     Setting {
         name: "PLAIT_BUSY_POLL_US",
         kind: "microseconds",
         default: "0",
         doc: "A caller reading its links polls without sleeping this long before it blocks (0: off).",
+        range: Some(BUSY_POLL_US),
     },
     Setting {
         name: "PLAIT_UNEXPECTED_BYTES",
         kind: "bytes",
         default: "1073741824",
         doc: "Memory per peer for messages that arrive before their receive is posted (at least 1048576); a peer that sends more is disconnected with an error naming it.",
+        range: Some(UNEXPECTED_BYTES),
     },
     Setting {
         name: "PLAIT_DEBUG",
         kind: "choice",
         default: "error",
         doc: "Log level of the core, to stderr: error, warn, info, debug or trace.",
+        range: None,
     },
     // Read by the torch backend (python/plait/torch/options.py), through `setting`.
     Setting {
@@ -105,42 +182,49 @@ pub const SETTINGS: &[Setting] = &[
         kind: "choice",
         default: "auto",
         doc: "torch: blocking calls run on the caller's thread: auto (small ones, when nothing else is in flight), always or never.",
+        range: None,
     },
     Setting {
         name: "PLAIT_TORCH_INLINE_BYTES",
         kind: "bytes",
         default: "1048576",
         doc: "torch: the largest blocking call that runs on the caller's thread under `auto`.",
+        range: Some(BYTES_UP_TO),
     },
     Setting {
         name: "PLAIT_TORCH_STAGING",
         kind: "choice",
         default: "0",
         doc: "torch: 1 copies CPU tensors through host staging buffers as device tensors are (tests that path).",
+        range: None,
     },
     Setting {
         name: "PLAIT_TORCH_STAGING_CACHE",
         kind: "bytes",
         default: "268435456",
         doc: "torch: host staging memory kept for reuse per group.",
+        range: Some(STAGING_CACHE),
     },
     Setting {
         name: "PLAIT_TORCH_SUBGROUP_LINKS",
         kind: "choice",
         default: "shared",
         doc: "torch: shared: a group over ranks of an existing plait group (new_group, DeviceMesh) uses its connections (nearly free to create); own: it opens and probes its own.",
+        range: None,
     },
     Setting {
         name: "PLAIT_TRACE_ENTRIES",
         kind: "count",
         default: "2000",
         doc: "torch: operations each group keeps in its trace (plait trace; dumped on a failure); 0 turns the trace off.",
+        range: Some(TRACE_ENTRIES),
     },
     Setting {
         name: "PLAIT_TRACE_DIR",
         kind: "text",
         default: "<temp dir>/plait-trace",
         doc: "torch: where every rank writes its trace (plait_trace_rank_<R>.json, and plait_fr_rank_<R> for torch's fr_trace) on a timeout or failure.",
+        range: None,
     },
 ];
 
@@ -173,6 +257,8 @@ pub struct CommConfig {
     pub wire: Wire,
     /// `PLAIT_UNEXPECTED_BYTES`: bytes of early messages held per peer.
     pub unexpected_bytes: u64,
+    /// Which threads may call collectives (not a setting: the layer above decides).
+    pub threads: ThreadUse,
 }
 
 /// The value of setting `name` when it is set and not blank. Only names in [`SETTINGS`].
@@ -181,37 +267,98 @@ pub fn setting(name: &str) -> Option<String> {
     std::env::var(name).ok().filter(|v| !v.trim().is_empty())
 }
 
-/// A numeric setting: None when unset, a `ConfigError` saying it must be `what` when it does
-/// not parse or fails `ok`.
-fn number<T: std::str::FromStr>(name: &str, ok: impl Fn(&T) -> bool, what: &str) -> Result<Option<T>> {
-    setting(name)
-        .map(|v| v.trim().parse::<T>().ok().filter(|n| ok(n)).ok_or_else(|| PlaitError::Config(format!("{name}={v:?} must be {what}"))))
-        .transpose()
+/// The value of numeric setting `name` (see [`Setting::range`]): None when unset, a
+/// `ConfigError` saying the range when it does not parse or is out of it.
+pub fn setting_number(name: &str) -> Result<Option<f64>> {
+    setting(name).map(|v| check_setting(name, &v)).transpose()
+}
+
+/// `text` as a value of numeric setting `name`, or a `ConfigError` naming the setting and its
+/// range: "PLAIT_TIMEOUT=1e19: must be a number of seconds between 0.001 and 31536000".
+pub fn check_setting(name: &str, text: &str) -> Result<f64> {
+    let range = SETTINGS
+        .iter()
+        .find(|s| s.name == name)
+        .and_then(|s| s.range)
+        .ok_or_else(|| PlaitError::invalid(format!("{name} is not a numeric plait setting")))?;
+    let text = text.trim();
+    text.parse::<f64>()
+        .ok()
+        .filter(|v| range.contains(*v))
+        .ok_or_else(|| PlaitError::Config(range.refusal(name, text)))
+}
+
+/// `value` of argument `name` (one of [`ARGUMENTS`]), or an `InvalidArgument` error naming it,
+/// the call (`what`, when not empty) and the range.
+pub fn check_argument(what: &str, name: &str, value: f64) -> Result<f64> {
+    match argument_range(name)?.contains(value) {
+        true => Ok(value),
+        false => Err(refuse_argument(what, name, &show(value))),
+    }
+}
+
+/// The error for argument `name` of `what` given as `shown` (not a number, or out of range).
+pub fn refuse_argument(what: &str, name: &str, shown: &str) -> PlaitError {
+    let prefix = if what.is_empty() { String::new() } else { format!("{what}: ") };
+    match argument_range(name) {
+        Ok(range) => PlaitError::invalid(format!("{prefix}{}", range.refusal(name, shown))),
+        Err(e) => e,
+    }
+}
+
+/// The range of argument `name` (one of [`ARGUMENTS`]).
+pub fn argument_range(name: &str) -> Result<Range> {
+    ARGUMENTS
+        .iter()
+        .find(|(n, _)| *n == name)
+        .map(|(_, r)| *r)
+        .ok_or_else(|| PlaitError::invalid(format!("{name} is not an argument plait checks")))
+}
+
+/// A timeout given to the Rust API, checked as Python's are.
+pub fn check_timeout(what: &str, t: Duration) -> Result<Duration> {
+    check_argument(what, "timeout", t.as_secs_f64()).map(|_| t)
+}
+
+fn whole(name: &str) -> Result<Option<u64>> {
+    // In range means whole and at most 2^53: exact as f64 and as u64.
+    Ok(setting_number(name)?.map(|v| v as u64))
 }
 
 impl CommConfig {
+    /// Checks what a caller may have set by hand (`from_env` checks the environment): each
+    /// number within its range, the rank within the world. Errors name the field and the range.
+    pub fn validate(&self) -> Result<()> {
+        check_argument("", "world_size", self.size as f64)?;
+        if self.rank >= self.size {
+            return Err(PlaitError::invalid(format!("rank={}: must be between 0 and world_size - 1 ({})", self.rank, self.size - 1)));
+        }
+        check_argument("", "epoch", self.epoch as f64)?;
+        check_timeout("", self.timeout)?;
+        let fields = [
+            ("segment_bytes", SEGMENT_BYTES, self.segment_bytes as f64),
+            ("streams", STREAMS, self.streams as f64),
+            ("caller_read_bytes", BYTES_UP_TO, self.caller_read_bytes as f64),
+            ("busy_poll (microseconds)", BUSY_POLL_US, self.busy_poll.as_micros() as f64),
+            ("unexpected_bytes", UNEXPECTED_BYTES, self.unexpected_bytes as f64),
+        ];
+        for (name, range, v) in fields {
+            if !range.contains(v) {
+                return Err(PlaitError::Config(range.refusal(name, &show(v))));
+            }
+        }
+        Ok(())
+    }
+
     /// Defaults, with every setting of [`SETTINGS`] that is set in the environment.
     pub fn from_env(rank: usize, size: usize) -> Result<CommConfig> {
-        let timeout = number("PLAIT_TIMEOUT", |s: &f64| *s > 0.0, "a positive number of seconds")?
-            .map_or(DEFAULT_TIMEOUT, Duration::from_secs_f64);
-        let segment_bytes =
-            number("PLAIT_SEGMENT_BYTES", |s: &usize| *s >= 1024, "an integer >= 1024")?.unwrap_or(DEFAULT_SEGMENT_BYTES);
-        let caller_read_bytes = number("PLAIT_CALLER_READ_BYTES", |_: &usize| true, "a number of bytes (0 turns caller reads off)")?
-            .unwrap_or(DEFAULT_CALLER_READ_BYTES);
-        let busy_poll = number("PLAIT_BUSY_POLL_US", |_: &u64| true, "a number of microseconds (0 turns busy polling off)")?
-            .map_or(Duration::ZERO, Duration::from_micros);
-        let streams = number(
-            "PLAIT_STREAMS",
-            |n: &usize| (1..=MAX_STREAMS).contains(n),
-            &format!("a number of connections per peer from 1 to {MAX_STREAMS}"),
-        )?
-        .unwrap_or(DEFAULT_STREAMS);
-        let unexpected_bytes = number(
-            "PLAIT_UNEXPECTED_BYTES",
-            |n: &u64| *n >= MIN_UNEXPECTED_BYTES,
-            &format!("a number of bytes >= {MIN_UNEXPECTED_BYTES}"),
-        )?
-        .unwrap_or(DEFAULT_UNEXPECTED_BYTES);
+        // In range, so none of these conversions can overflow or panic.
+        let timeout = setting_number("PLAIT_TIMEOUT")?.map_or(DEFAULT_TIMEOUT, Duration::from_secs_f64);
+        let segment_bytes = whole("PLAIT_SEGMENT_BYTES")?.map_or(DEFAULT_SEGMENT_BYTES, |v| v as usize);
+        let caller_read_bytes = whole("PLAIT_CALLER_READ_BYTES")?.map_or(DEFAULT_CALLER_READ_BYTES, |v| v as usize);
+        let busy_poll = whole("PLAIT_BUSY_POLL_US")?.map_or(Duration::ZERO, Duration::from_micros);
+        let streams = whole("PLAIT_STREAMS")?.map_or(DEFAULT_STREAMS, |v| v as usize);
+        let unexpected_bytes = whole("PLAIT_UNEXPECTED_BYTES")?.unwrap_or(DEFAULT_UNEXPECTED_BYTES);
         let wire = match setting("PLAIT_WIRE_DTYPE") {
             Some(v) => Wire::from_name(&v)
                 .ok_or_else(|| PlaitError::Config(format!("PLAIT_WIRE_DTYPE={v:?}: one of native, bf16, f16, int8")))?,
@@ -232,6 +379,7 @@ impl CommConfig {
             routes_file: setting("PLAIT_ROUTES"),
             wire,
             unexpected_bytes,
+            threads: ThreadUse::default(),
         })
     }
 }
@@ -256,5 +404,58 @@ mod tests {
         assert_eq!(default_of("PLAIT_STREAMS").parse::<usize>().unwrap(), DEFAULT_STREAMS);
         assert_eq!(default_of("PLAIT_UNEXPECTED_BYTES").parse::<u64>().unwrap(), DEFAULT_UNEXPECTED_BYTES);
         assert_eq!(Wire::from_name(default_of("PLAIT_WIRE_DTYPE")), Some(Wire::Native));
+    }
+
+    #[test]
+    fn absurd_values_are_refused_with_their_range_and_never_panic() {
+        let refused = |name: &str, text: &str| match check_setting(name, text) {
+            Err(PlaitError::Config(msg)) => msg,
+            other => panic!("{name}={text}: {other:?}"),
+        };
+        for text in ["1e19", "inf", "-inf", "nan", "NaN", "-1", "0", "0.0001", "1e400", "soon", ""] {
+            let msg = refused("PLAIT_TIMEOUT", text);
+            assert_eq!(msg, format!("PLAIT_TIMEOUT={text}: must be a number of seconds between 0.001 and 31536000"));
+        }
+        assert_eq!(check_setting("PLAIT_TIMEOUT", " 2.5 ").unwrap(), 2.5);
+        for (name, texts) in [
+            ("PLAIT_SEGMENT_BYTES", &["0", "1023", "1.5", "1e30", "18446744073709551616"][..]),
+            ("PLAIT_STREAMS", &["0", "17", "1000", "-1"][..]),
+            ("PLAIT_CALLER_READ_BYTES", &["-1", "1e20"][..]),
+            ("PLAIT_BUSY_POLL_US", &["-1", "18446744073709551615"][..]),
+            ("PLAIT_TRACE_ENTRIES", &["-1", "2.5"][..]),
+        ] {
+            for text in texts {
+                assert!(refused(name, text).contains(" between "), "{name}={text}");
+            }
+        }
+        assert!(check_setting("PLAIT_ALGO", "ring").is_err(), "a text setting has no range");
+
+        let arg = |name: &str, v: f64| check_argument("allreduce", name, v);
+        for v in [1e19, f64::INFINITY, f64::NAN, -1.0, 0.0, 1e-9] {
+            let msg = arg("timeout", v).unwrap_err().to_string();
+            assert!(msg.starts_with("allreduce: timeout=") && msg.ends_with("between 0.001 and 31536000"), "{msg}");
+        }
+        assert_eq!(arg("world_size", 4294967298.0).unwrap_err().to_string(), "allreduce: world_size=4294967298: must be a whole number of ranks between 1 and 65536");
+        assert!(arg("world_size", 2.5).is_err() && arg("world_size", 65536.0).is_ok() && arg("epoch", -1.0).is_err());
+        assert!(check_timeout("x", Duration::MAX).is_err() && check_timeout("x", Duration::from_secs(1)).is_ok());
+    }
+
+    #[test]
+    fn a_config_set_by_hand_is_validated() {
+        let ok = CommConfig::from_env(0, 2).unwrap();
+        ok.validate().unwrap();
+        let bad = [
+            CommConfig { timeout: Duration::MAX, ..ok.clone() },
+            CommConfig { size: (1 << 32) + 2, ..ok.clone() },
+            CommConfig { size: 0, rank: 0, ..ok.clone() },
+            CommConfig { rank: 2, ..ok.clone() },
+            CommConfig { segment_bytes: 0, ..ok.clone() },
+            CommConfig { streams: 1000, ..ok.clone() },
+            CommConfig { busy_poll: Duration::MAX, ..ok.clone() },
+        ];
+        for cfg in bad {
+            let err = cfg.validate().unwrap_err().to_string();
+            assert!(err.contains('='), "{err}");
+        }
     }
 }

@@ -7,11 +7,13 @@
 
 mod bootstrap;
 pub(crate) mod config;
+mod threads;
 mod topology;
 mod work;
 mod workers;
 
-pub use config::{setting, CommConfig, Setting, SETTINGS};
+pub use config::{argument_range, check_argument, check_setting, refuse_argument, check_timeout, setting, CommConfig, Range, Setting, ARGUMENTS, SETTINGS};
+pub use threads::ThreadUse;
 pub use topology::{LinkRecord, Topology};
 pub use work::Work;
 
@@ -32,6 +34,7 @@ use parking_lot::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
+use threads::{Refusal, Threads, Turn};
 use workers::{Job, Workers};
 
 pub struct Communicator {
@@ -44,6 +47,8 @@ pub struct Communicator {
     topology: Topology,
     closed: AtomicBool,
     workers: Workers,
+    /// Which threads may call collectives (`cfg.threads`), and the collectives running.
+    threads: Arc<Threads>,
     /// A subgroup's owner, whose links it uses (kept open while the subgroup lives).
     owner: Option<Owner>,
 }
@@ -67,9 +72,11 @@ fn selector(cfg: &CommConfig, topology: Topology) -> Result<Selector> {
 impl Communicator {
     /// Meets the other ranks through `store` and connects to every one of them.
     pub fn new(store: &dyn Store, cfg: CommConfig) -> Result<Arc<Communicator>> {
+        cfg.validate()?;
         // Settings are checked before anything is published, so a typo fails every rank at once.
         selector(&cfg, Topology::FullMesh)?;
         let mesh = bootstrap::bootstrap(store, &cfg)?;
+        let cfg_threads = cfg.threads;
         Ok(Arc::new(Communicator {
             selector: selector(&cfg, mesh.topology)?,
             cfg,
@@ -80,6 +87,7 @@ impl Communicator {
             topology: mesh.topology,
             closed: AtomicBool::new(false),
             workers: Workers::new(),
+            threads: Threads::new(cfg_threads),
             owner: None,
         }))
     }
@@ -92,6 +100,7 @@ impl Communicator {
     /// the other subgroups working. `timeout` and `algo` default to this one's.
     pub fn subgroup(self: &Arc<Self>, name: &str, ranks: &[usize], timeout: Option<Duration>, algo: Option<String>) -> Result<Arc<Communicator>> {
         self.usable()?;
+        timeout.map(|t| check_timeout("subgroup", t)).transpose()?;
         if let Some(owner) = &self.owner {
             // A subgroup of a subgroup: a subgroup of the links' owner, with the ranks translated.
             let mut in_owner = Vec::with_capacity(ranks.len());
@@ -131,6 +140,7 @@ impl Communicator {
             .iter()
             .filter_map(|l| Some(LinkRecord { peer: ranks.iter().position(|&r| r == l.peer)?, ..l.clone() }))
             .collect();
+        let threads = cfg.threads;
         Ok(Arc::new(Communicator {
             selector: selector(&cfg, self.topology)?,
             cfg,
@@ -141,6 +151,7 @@ impl Communicator {
             topology: self.topology,
             closed: AtomicBool::new(false),
             workers: Workers::new(),
+            threads: Threads::new(threads),
             owner: Some(Owner { comm: self.clone(), ranks: ranks.to_vec() }),
         }))
     }
@@ -179,6 +190,19 @@ impl Communicator {
         Ok(())
     }
 
+    /// The calling thread's turn to run collective `what`, under `cfg.threads`. Another thread's
+    /// collective running at the same time breaks the communicator: the running one may already
+    /// be paired with a different call on another rank, and every rank must hear so.
+    fn turn(&self, what: &str) -> Result<Turn> {
+        self.threads.start(what).map_err(|refusal| match refusal {
+            Refusal::NotCreator(e) => e,
+            Refusal::Overlap(e) => {
+                self.abort(&e.to_string());
+                e
+            }
+        })
+    }
+
     fn plan(&self, req: &CollRequest) -> Result<Plan> {
         self.usable()?;
         let planner = Planner {
@@ -205,10 +229,13 @@ impl Communicator {
     /// `req.input` and `req.output` must follow the contract of [`crate::raw`]: valid, and not
     /// touched by anything else, until the returned Work has completed.
     pub unsafe fn collective(self: &Arc<Self>, req: CollRequest, inline: bool) -> Result<Work> {
+        let turn = self.turn(req.coll.name())?;
+        req.timeout.map(|t| check_timeout(req.coll.name(), t)).transpose()?;
         let Plan { spec, sched, layout } = self.plan(&req)?;
         let (input, output) = (req.input, req.output);
         let me = self.clone();
         self.submit(inline, self.caller_reads(inline, input.len.max(output.len)), Box::new(move || {
+            let _turn = turn;
             run_collective(&me.session, &spec, &sched, &layout, input, output).map(|_| 0)
         }))
     }
@@ -219,6 +246,7 @@ impl Communicator {
     /// until the deadline. Nothing is kept of the call anywhere and the communicator stays
     /// usable. Returns the refused call's sequence number.
     pub fn refuse(&self, reason: &str) -> Result<u64> {
+        let _turn = self.turn("a refused call")?;
         self.usable()?;
         let seq = self.seq.fetch_add(1, Ordering::SeqCst);
         self.session.mailbox.finish_refused(seq);
@@ -245,7 +273,7 @@ impl Communicator {
             return Err(PlaitError::invalid("send: a rank cannot send to itself"));
         }
         self.check_tag("send", tag)?;
-        let timeout = timeout.unwrap_or(self.cfg.timeout);
+        let timeout = check_timeout("send", timeout.unwrap_or(self.cfg.timeout))?;
         let what: Arc<str> = format!("send to rank {peer} (tag {tag}, {} bytes)", data.len).into();
         let caller_reads = self.caller_reads(inline, data.len);
         self.session.set_caller_progress(caller_reads);
@@ -268,7 +296,7 @@ impl Communicator {
                 return Err(PlaitError::invalid("recv: a rank cannot receive from itself"));
             }
         }
-        let timeout = timeout.unwrap_or(self.cfg.timeout);
+        let timeout = check_timeout("recv", timeout.unwrap_or(self.cfg.timeout))?;
         let from = src.map(|s| format!("rank {s}")).unwrap_or_else(|| "any rank".into());
         let what: Arc<str> = format!("recv from {from} (tag {tag}, {} bytes)", data.len).into();
         let caller_reads = self.caller_reads(inline, data.len);
@@ -280,6 +308,8 @@ impl Communicator {
 
     /// Every rank waits until every rank has entered the barrier.
     pub fn barrier(self: &Arc<Self>, timeout: Option<Duration>, inline: bool) -> Result<Work> {
+        let turn = self.turn("barrier")?;
+        timeout.map(|t| check_timeout("barrier", t)).transpose()?;
         let mut token = Box::new([1u8]);
         let buf = RawBuf::of(&mut token[..]);
         let req = CollRequest {
@@ -299,6 +329,7 @@ impl Communicator {
         spec.what = format!("barrier #{}", spec.seq).into();
         let me = self.clone();
         self.submit(inline, inline, Box::new(move || {
+            let _turn = turn;
             let r = run_collective(&me.session, &spec, &sched, &layout, buf, buf).map(|_| 0);
             drop(token);
             r
@@ -315,10 +346,10 @@ impl Communicator {
         // the communicator fails with an error that says what happened.
         let run: Job = Box::new(move || {
             std::panic::catch_unwind(std::panic::AssertUnwindSafe(run)).unwrap_or_else(|panic| {
-                let why = format!("internal error (a panic) in an operation: {}", crate::error::panic_message(&*panic));
-                tracing::error!("{why}");
-                session.fail(PlaitError::Broken(why.clone()), true);
-                Err(PlaitError::Broken(why))
+                let err = PlaitError::from_panic("an operation", panic);
+                tracing::error!("{err}");
+                session.fail(err.clone(), true);
+                Err(err)
             })
         });
         if inline {

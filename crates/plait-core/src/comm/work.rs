@@ -30,7 +30,8 @@ impl Work {
     pub fn wait(&self, timeout: Option<Duration>) -> Option<Result<usize>> {
         let (m, cv) = &*self.state;
         let mut g = m.lock();
-        let deadline = timeout.map(|t| Instant::now() + t);
+        // A wait too long to have a deadline (overflow) is a wait without one.
+        let deadline = timeout.and_then(|t| Instant::now().checked_add(t));
         while g.is_none() {
             match deadline {
                 Some(d) => {

@@ -78,7 +78,11 @@ impl Workers {
                     }
                     Err(crossbeam_channel::RecvTimeoutError::Disconnected) => return,
                 };
-                job.work.complete((job.run)());
+                // `Communicator::submit` turns an operation's panic into its error; this catch
+                // only keeps a Work from never completing if a job ever comes another way.
+                let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(job.run))
+                    .unwrap_or_else(|p| Err(PlaitError::from_panic("an asynchronous operation", p)));
+                job.work.complete(result);
                 idle.fetch_add(1, Ordering::SeqCst);
             })
             .map_err(|e| PlaitError::Io(format!("cannot start a worker thread: {e}")))?;
