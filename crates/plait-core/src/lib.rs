@@ -25,7 +25,7 @@ mod session;
 mod store;
 
 pub use codec::Wire;
-pub use comm::{setting, CommConfig, Communicator, LinkRecord, Setting, Topology, Work, SETTINGS};
+pub use comm::{setting, CommConfig, Communicator, LinkRecord, Setting, Token, Topology, Work, SETTINGS};
 pub use dtype::{DType, ReduceOp};
 pub use error::{PlaitError, Result};
 pub use exec::CollRequest;

@@ -11,7 +11,7 @@ mod topology;
 mod work;
 mod workers;
 
-pub use config::{setting, CommConfig, Setting, SETTINGS};
+pub use config::{setting, CommConfig, Setting, SETTINGS, Token};
 pub use topology::{LinkRecord, Topology};
 pub use work::Work;
 
