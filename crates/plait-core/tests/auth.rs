@@ -127,7 +127,7 @@ fn ranks_disagreeing_on_token_or_sealing_fail_naming_the_setting() {
         let results = world_with(
             2,
             move |r, cfg| {
-                cfg.timeout = Duration::from_secs(3);
+                cfg.timeout = Duration::from_secs(2);
                 tweak(r, cfg)
             },
             |_| (),

@@ -86,8 +86,17 @@ pub struct LinkAuth {
     public: PublicKey,
     psk: Option<[u8; KEY_LEN]>,
     encrypt: bool,
-    peers: Mutex<Option<Vec<PublicKey>>>,
+    peers: Mutex<Peers>,
     peers_known: Condvar,
+}
+
+#[derive(Clone)]
+enum Peers {
+    /// The rendezvous has not read them yet.
+    Unknown,
+    Known(Vec<PublicKey>),
+    /// Nobody will learn them (the listener closed): waiters give up.
+    NeverKnown,
 }
 
 impl LinkAuth {
@@ -103,7 +112,7 @@ impl LinkAuth {
             h.update(t);
             h.finalize().into()
         });
-        Ok(LinkAuth { private: kp.private, public, psk, encrypt, peers: Mutex::new(None), peers_known: Condvar::new() })
+        Ok(LinkAuth { private: kp.private, public, psk, encrypt, peers: Mutex::new(Peers::Unknown), peers_known: Condvar::new() })
     }
 
     pub fn public_key(&self) -> PublicKey {
@@ -116,19 +125,31 @@ impl LinkAuth {
 
     /// The public key every rank published, by rank (this rank's own included).
     pub fn learn_peers(&self, keys: Vec<PublicKey>) {
-        *self.peers.lock() = Some(keys);
+        *self.peers.lock() = Peers::Known(keys);
+        self.peers_known.notify_all();
+    }
+
+    /// Handshakes still waiting for the keys give up (their listener closed).
+    pub fn stop_waiting(&self) {
+        let mut peers = self.peers.lock();
+        if matches!(*peers, Peers::Unknown) {
+            *peers = Peers::NeverKnown;
+        }
         self.peers_known.notify_all();
     }
 
     /// The key `rank` published, waiting until the rendezvous has read it (by `deadline`).
     fn peer_key(&self, rank: u32, deadline: Instant) -> Option<PublicKey> {
-        let mut keys = self.peers.lock();
-        while keys.is_none() {
-            if self.peers_known.wait_until(&mut keys, deadline).timed_out() {
+        let mut peers = self.peers.lock();
+        while matches!(*peers, Peers::Unknown) {
+            if self.peers_known.wait_until(&mut peers, deadline).timed_out() {
                 break;
             }
         }
-        keys.as_ref()?.get(rank as usize).copied()
+        match &*peers {
+            Peers::Known(keys) => keys.get(rank as usize).copied(),
+            _ => None,
+        }
     }
 
     fn handshake(&self, hello: &Hello, peer_key: &PublicKey, initiator: bool) -> HandshakeState {
@@ -410,7 +431,7 @@ mod tests {
     fn a_connection_before_the_keys_are_known_waits_for_them() {
         let world = test_world(2, None, false);
         let late = Arc::new(world[0].with_token(None));
-        *late.peers.lock() = None;
+        *late.peers.lock() = Peers::Unknown;
         let l = Listener::bind(hello("g", 1, 0, 0, 2), late.clone()).unwrap();
         let (port, a1) = (l.port(), world[1].clone());
         let c = std::thread::spawn(move || connect(&lo_route(), port, &hello("g", 1, 1, 0, 2), &a1, soon(5000)));

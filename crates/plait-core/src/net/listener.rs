@@ -158,6 +158,7 @@ impl Listener {
             }
             st.ready.clear();
         }
+        self.shared.auth.stop_waiting();
         self.shared.cv.notify_all();
         if let Some(h) = self.thread.lock().take() {
             let _ = h.join();
