@@ -92,10 +92,8 @@ pub(super) fn check_hello(h: &Hello, e: &Hello) -> Option<String> {
         )
     } else if h.lane >= h.lanes {
         format!("rank {} sent connection index {} of {}", h.from, h.lane, h.lanes)
-    } else if let Some(why) = e.mode.refusal(h.from, h.mode) {
-        why
     } else {
-        return None;
+        return e.mode.refusal(h.from, h.mode);
     })
 }
 
