@@ -26,8 +26,8 @@ mod store;
 
 pub use codec::Wire;
 pub use comm::{
-    argument_range, check_argument, check_setting, refuse_argument, check_timeout, setting, CommConfig, Communicator, LinkRecord, Range, Setting, ThreadUse, Topology, Work,
-    ARGUMENTS, SETTINGS,
+    argument_range, check_argument, check_setting, refuse_argument, check_timeout, setting, CommConfig, Communicator, LinkRecord, Range, Setting, ThreadUse, Token, Topology,
+    Work, ARGUMENTS, SETTINGS,
 };
 pub use dtype::{DType, ReduceOp};
 pub use error::{PlaitError, Result};

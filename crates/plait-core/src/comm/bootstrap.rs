@@ -10,6 +10,7 @@ use super::topology::{self, LinkRecord, RouteFile, Topology};
 use crate::dtype::DType;
 use crate::error::{PlaitError, Result};
 use crate::exec::p2p;
+use crate::net::auth::{key_from_hex, key_to_hex, LinkAuth, LinkStream, PublicKey};
 use crate::net::connect::connect;
 use crate::net::frame::{PING_TAG, PONG_TAG};
 use crate::net::handshake::Hello;
@@ -22,7 +23,6 @@ use crate::raw::RawBuf;
 use crate::session::{Demux, Groups, Mailbox, Session};
 use crate::store::Store;
 use serde::{Deserialize, Serialize};
-use std::net::TcpStream;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -37,6 +37,10 @@ struct PeerInfo {
     /// same known identity is reached over loopback; `None` (unknown) is never the same host.
     machine: Option<String>,
     addrs: Vec<IfaceAddr>,
+    /// The public half of this rank's link key for this epoch (hex): every link to this rank
+    /// must prove it holds the private half.
+    #[serde(default)]
+    key: String,
 }
 
 /// The mesh of one epoch, ready for operations.
@@ -57,6 +61,7 @@ struct Plan<'a> {
     prefix: String,
     deadline: Instant,
     hello: Hello,
+    auth: Arc<LinkAuth>,
     heartbeat: Duration,
 }
 
@@ -80,6 +85,8 @@ pub(crate) fn bootstrap(store: &dyn Store, cfg: &CommConfig) -> Result<Mesh> {
     }
     let filter = cfg.iface.as_deref().map(IfaceFilter::parse).transpose()?;
     let route_file = cfg.routes_file.as_deref().map(|p| RouteFile::load(p, size)).transpose()?;
+    // A fresh key per communicator and epoch: nothing outlives the mesh it authenticates.
+    let auth = Arc::new(LinkAuth::generate(cfg.token.as_ref().map(|t| t.secret()), cfg.encrypt)?);
     let plan = Plan {
         cfg,
         store,
@@ -93,16 +100,19 @@ pub(crate) fn bootstrap(store: &dyn Store, cfg: &CommConfig) -> Result<Mesh> {
             world: size as u32,
             lane: 0,
             lanes: cfg.streams.clamp(1, MAX_STREAMS) as u8,
+            mode: auth.mode(),
         },
+        auth,
         heartbeat: heartbeat(cfg.timeout),
     };
-    let listener = if size > 1 { Some(Listener::bind(plan.hello.clone())?) } else { None };
+    let listener = if size > 1 { Some(Listener::bind(plan.hello.clone(), plan.auth.clone())?) } else { None };
     let me = PeerInfo {
         rank,
         port: listener.as_ref().map(|l| l.port()).unwrap_or(0),
         host: host::hostname().unwrap_or_default(),
         machine: host::host_identity(),
         addrs: list_interfaces(),
+        key: key_to_hex(&plan.auth.public_key()),
     };
     store.set(&format!("{}/rank/{rank}", plan.prefix), &serde_json::to_vec(&me).unwrap())?;
 
@@ -161,6 +171,15 @@ fn rendezvous(plan: &Plan, me: &PeerInfo) -> Result<Vec<PeerInfo>> {
             .map_err(|e| PlaitError::Rendezvous(format!("rank {r} published an unreadable address record: {e}")))?;
         infos.push(info);
     }
+    let keys: Vec<PublicKey> = infos
+        .iter()
+        .map(|i| {
+            key_from_hex(&i.key).ok_or_else(|| {
+                PlaitError::Rendezvous(format!("rank {} published no readable link key (a plait of another version?)", i.rank))
+            })
+        })
+        .collect::<Result<_>>()?;
+    plan.auth.learn_peers(keys);
     let unknown: Vec<usize> = infos.iter().filter(|i| i.machine.is_none()).map(|i| i.rank).collect();
     if !unknown.is_empty() {
         warn_host_identity_unknown(&unknown);
@@ -216,17 +235,17 @@ fn connect_mesh(
     routes: &mut Vec<LinkRecord>,
 ) -> Result<()> {
     let (rank, lanes) = (plan.cfg.rank, plan.hello.lanes);
-    let start = |peer: usize, addr: String, streams: Vec<TcpStream>, session: &mut Session| -> Result<()> {
+    let start = |peer: usize, addr: String, streams: Vec<LinkStream>, session: &mut Session| -> Result<()> {
         session.attach_link(peer, PeerLink::start(peer, addr, streams, demux.clone(), plan.heartbeat)?)?;
         Ok(())
     };
     for peer in 0..rank {
         let info = &routing.infos[peer];
         let first = Hello { to: peer as u32, ..plan.hello.clone() };
-        let (stream, route) = connect_first(&routing.candidates(peer)?, info, &first, plan.deadline)?;
+        let (stream, route) = connect_first(&routing.candidates(peer)?, info, &first, &plan.auth, plan.deadline)?;
         let mut streams = vec![stream];
         for lane in 1..lanes {
-            streams.push(connect(&route, info.port, &Hello { lane, ..first.clone() }, plan.deadline)?);
+            streams.push(connect(&route, info.port, &Hello { lane, ..first.clone() }, &plan.auth, plan.deadline)?);
         }
         routes.push(LinkRecord {
             peer,
@@ -243,8 +262,8 @@ fn connect_mesh(
     for (peer, info) in routing.infos.iter().enumerate().skip(rank + 1) {
         let listener = listener.expect("a rank with peers listens");
         let stream = listener.accept_from(peer as u32, plan.deadline)?;
-        let remote = stream.peer_addr().map(|a| a.ip().to_canonical().to_string()).unwrap_or_default();
-        let local_ip = stream.local_addr().map(|a| a.ip().to_canonical()).ok();
+        let remote = stream.stream.peer_addr().map(|a| a.ip().to_canonical().to_string()).unwrap_or_default();
+        let local_ip = stream.stream.local_addr().map(|a| a.ip().to_canonical()).ok();
         let local_iface = routing.me.addrs.iter().find(|a| Some(a.ip) == local_ip).map(|a| a.name.clone()).unwrap_or_default();
         routes.push(LinkRecord {
             peer,
@@ -266,7 +285,13 @@ fn connect_mesh(
 }
 
 /// Tries the candidate routes in order; each but the last gets a bounded share of the time.
-fn connect_first(candidates: &[Route], info: &PeerInfo, hello: &Hello, deadline: Instant) -> Result<(TcpStream, Route)> {
+fn connect_first(
+    candidates: &[Route],
+    info: &PeerInfo,
+    hello: &Hello,
+    auth: &LinkAuth,
+    deadline: Instant,
+) -> Result<(LinkStream, Route)> {
     if candidates.is_empty() {
         return Err(PlaitError::Rendezvous(format!(
             "no usable route to rank {} ({}): none of its addresses {:?} is reachable from this host's interfaces (check PLAIT_IFACE)",
@@ -279,7 +304,7 @@ fn connect_first(candidates: &[Route], info: &PeerInfo, hello: &Hello, deadline:
     for (i, route) in candidates.iter().enumerate() {
         let last = i + 1 == candidates.len();
         let d = if last { deadline } else { deadline.min(Instant::now() + Duration::from_secs(5)) };
-        match connect(route, info.port, hello, d) {
+        match connect(route, info.port, hello, auth, d) {
             Ok(s) => {
                 let mut route = route.clone();
                 if !errors.is_empty() {

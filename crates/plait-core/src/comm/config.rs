@@ -170,6 +170,27 @@ pub const SETTINGS: &[Setting] = &[
         range: Some(UNEXPECTED_BYTES),
     },
     Setting {
+        name: "PLAIT_TOKEN",
+        kind: "text",
+        default: "",
+        doc: "A secret shared by every rank: links are refused to anyone without it, even a process that can write the store (set the same on every rank, or none).",
+        range: None,
+    },
+    Setting {
+        name: "PLAIT_TOKEN_FILE",
+        kind: "text",
+        default: "",
+        doc: "Path of a file holding PLAIT_TOKEN (surrounding whitespace ignored), to keep the secret out of the environment.",
+        range: None,
+    },
+    Setting {
+        name: "PLAIT_ENCRYPT",
+        kind: "choice",
+        default: "0",
+        doc: "1 encrypts and authenticates every frame (ChaCha20-Poly1305 with each link's handshake keys); must be the same on every rank.",
+        range: None,
+    },
+    Setting {
         name: "PLAIT_DEBUG",
         kind: "choice",
         default: "error",
@@ -259,6 +280,48 @@ pub struct CommConfig {
     pub unexpected_bytes: u64,
     /// Which threads may call collectives (not a setting: the layer above decides).
     pub threads: ThreadUse,
+    /// `PLAIT_TOKEN` or `PLAIT_TOKEN_FILE`: a secret every rank's links must prove.
+    pub token: Option<Token>,
+    /// `PLAIT_ENCRYPT=1`: every frame is encrypted and authenticated.
+    pub encrypt: bool,
+}
+
+/// A shared secret, never printed.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Token(Vec<u8>);
+
+impl Token {
+    pub fn new(secret: impl Into<Vec<u8>>) -> Token {
+        Token(secret.into())
+    }
+
+    pub fn secret(&self) -> &[u8] {
+        &self.0
+    }
+}
+
+impl std::fmt::Debug for Token {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Token(<secret>)")
+    }
+}
+
+/// `PLAIT_TOKEN` or the contents of `PLAIT_TOKEN_FILE`; setting both is an error, as is an
+/// empty or unreadable file.
+fn token() -> Result<Option<Token>> {
+    match (setting("PLAIT_TOKEN"), setting("PLAIT_TOKEN_FILE")) {
+        (Some(_), Some(_)) => Err(PlaitError::Config("set PLAIT_TOKEN or PLAIT_TOKEN_FILE, not both".into())),
+        (Some(t), None) => Ok(Some(Token::new(t))),
+        (None, Some(path)) => {
+            let text = std::fs::read(&path).map_err(|e| PlaitError::Config(format!("PLAIT_TOKEN_FILE={path:?} cannot be read: {e}")))?;
+            let secret = text.trim_ascii();
+            if secret.is_empty() {
+                return Err(PlaitError::Config(format!("PLAIT_TOKEN_FILE={path:?} is empty")));
+            }
+            Ok(Some(Token::new(secret)))
+        }
+        (None, None) => Ok(None),
+    }
 }
 
 /// The value of setting `name` when it is set and not blank. Only names in [`SETTINGS`].
@@ -364,7 +427,14 @@ impl CommConfig {
                 .ok_or_else(|| PlaitError::Config(format!("PLAIT_WIRE_DTYPE={v:?}: one of native, bf16, f16, int8")))?,
             None => Wire::Native,
         };
+        let encrypt = match setting("PLAIT_ENCRYPT").as_deref().map(str::trim) {
+            None | Some("0") => false,
+            Some("1") => true,
+            Some(v) => return Err(PlaitError::Config(format!("PLAIT_ENCRYPT={v:?} must be 0 or 1"))),
+        };
         Ok(CommConfig {
+            token: token()?,
+            encrypt,
             rank,
             size,
             group: "default".into(),

@@ -1,6 +1,7 @@
 //! The connecting side of link set-up: the higher rank dials the lower one over a chosen route,
 //! retrying until the peer listens, and handshakes.
 
+use super::auth::{self, LinkAuth, LinkStream};
 use super::handshake::{read_exact_by, Hello, MAX_GROUP_LEN, MAX_REASON_LEN, REPLY_FIXED_LEN, REPLY_MAGIC, VERSION};
 use super::tuning::tune_stream;
 use crate::error::PlaitError;
@@ -19,8 +20,9 @@ enum Attempt {
 /// Binds to `route.local.ip` (unless unspecified), connects to `(route.peer_ip, port)` and
 /// handshakes. Connection refused or reset is retried until `deadline`, since the peer may not
 /// be listening yet; a refused handshake or an unreachable network fails at once so the caller
-/// can try its next route.
-pub fn connect(route: &Route, port: u16, hello: &Hello, deadline: Instant) -> Result<TcpStream, PlaitError> {
+/// can try its next route. Both ends prove the keys their ranks published (see `auth`).
+pub fn connect(route: &Route, port: u16, hello: &Hello, auth: &LinkAuth, deadline: Instant) -> Result<LinkStream, PlaitError> {
+    let hello = &Hello { mode: auth.mode(), ..hello.clone() };
     let start = Instant::now();
     if hello.from <= hello.to || hello.from >= hello.world {
         return Err(PlaitError::invalid(format!(
@@ -44,7 +46,6 @@ pub fn connect(route: &Route, port: u16, hello: &Hello, deadline: Instant) -> Re
     } else {
         format!("{} {local}", route.local.name)
     };
-    let msg = hello.encode();
     let mut backoff = Duration::from_millis(10);
     let mut last = String::from("no attempt made before the deadline");
     loop {
@@ -56,7 +57,7 @@ pub fn connect(route: &Route, port: u16, hello: &Hello, deadline: Instant) -> Re
                 waited: start.elapsed(),
             });
         }
-        match attempt(local, peer, &msg, deadline) {
+        match attempt(local, peer, hello, auth, deadline) {
             Ok(s) => return Ok(s),
             Err(Attempt::Retry(why)) => {
                 last = why;
@@ -77,7 +78,7 @@ pub fn connect(route: &Route, port: u16, hello: &Hello, deadline: Instant) -> Re
     }
 }
 
-fn attempt(local: IpAddr, peer: SocketAddr, hello: &[u8], deadline: Instant) -> Result<TcpStream, Attempt> {
+fn attempt(local: IpAddr, peer: SocketAddr, hello: &Hello, auth: &LinkAuth, deadline: Instant) -> Result<LinkStream, Attempt> {
     let fatal = Attempt::Fatal;
     let retryable = |e: &io::Error| {
         matches!(
@@ -116,7 +117,10 @@ fn attempt(local: IpAddr, peer: SocketAddr, hello: &[u8], deadline: Instant) -> 
     let _ = s.set_nodelay(true);
     let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
     s.set_write_timeout(Some(left)).map_err(|e| classify(e, "handshake"))?;
-    s.write_all(hello).map_err(|e| classify(e, "sending hello"))?;
+    // The hello and the first Noise message in one write (one packet, no Nagle wait).
+    let mut msg = hello.encode();
+    let initiator = auth::initiate(auth, hello, deadline, &mut msg).map_err(fatal)?;
+    s.write_all(&msg).map_err(|e| classify(e, "sending hello"))?;
 
     let mut b = [0u8; REPLY_FIXED_LEN];
     read_exact_by(&mut s, &mut b, deadline).map_err(|e| classify(e, "awaiting handshake reply"))?;
@@ -136,17 +140,23 @@ fn attempt(local: IpAddr, peer: SocketAddr, hello: &[u8], deadline: Instant) -> 
         let _ = read_exact_by(&mut s, &mut r, deadline);
         return Err(fatal(format!("refused the handshake: {}", String::from_utf8_lossy(&r))));
     }
+    let cipher = match initiator.finish(auth, &mut s, deadline) {
+        Ok(Ok(cipher)) => cipher,
+        Ok(Err(why)) => return Err(fatal(why)),
+        Err(e) => return Err(classify(e, "authenticating")),
+    };
     s.set_read_timeout(None).map_err(|e| classify(e, "handshake"))?;
     s.set_write_timeout(None).map_err(|e| classify(e, "handshake"))?;
     if let Err(e) = tune_stream(&s) {
         tracing::warn!(remote = %peer, "cannot tune link socket: {e}");
     }
-    Ok(s)
+    Ok(LinkStream { stream: s, cipher })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::net::auth::test_world;
     use crate::net::handshake::testing::{hello, lo_route, soon};
     use crate::net::listener::{Listener, HANDSHAKE_TIMEOUT};
 
@@ -157,21 +167,24 @@ mod tests {
         let hold = Socket::new(Domain::IPV4, Type::STREAM, None).unwrap();
         hold.bind(&SocketAddr::from(([0, 0, 0, 0], 0)).into()).unwrap();
         let port = hold.local_addr().unwrap().as_socket().unwrap().port();
-        let c = std::thread::spawn(move || connect(&lo_route(), port, &hello("g", 1, 1, 0, 2), soon(5000)));
+        let a = test_world(2, None, false);
+        let a1 = a[1].clone();
+        let c = std::thread::spawn(move || connect(&lo_route(), port, &hello("g", 1, 1, 0, 2), &a1, soon(5000)));
         std::thread::sleep(Duration::from_millis(300));
         drop(hold);
-        let l = Listener::bind_with(hello("g", 1, 0, 0, 2), port, HANDSHAKE_TIMEOUT).unwrap();
+        let l = Listener::bind_with(hello("g", 1, 0, 0, 2), a[0].clone(), port, HANDSHAKE_TIMEOUT).unwrap();
         l.accept_from(1, soon(5000)).unwrap();
         c.join().unwrap().unwrap();
     }
 
     #[test]
     fn bad_arguments_fail_fast() {
-        assert_eq!(connect(&lo_route(), 1, &hello("g", 1, 0, 1, 2), soon(1000)).unwrap_err().kind(), "invalid");
-        assert_eq!(connect(&lo_route(), 1, &hello("g", 1, 2, 1, 2), soon(1000)).unwrap_err().kind(), "invalid");
+        let a = test_world(2, None, false);
+        assert_eq!(connect(&lo_route(), 1, &hello("g", 1, 0, 1, 2), &a[0], soon(1000)).unwrap_err().kind(), "invalid");
+        assert_eq!(connect(&lo_route(), 1, &hello("g", 1, 2, 1, 2), &a[1], soon(1000)).unwrap_err().kind(), "invalid");
         let mut r = lo_route();
         r.peer_ip = "::1".parse().unwrap();
-        assert_eq!(connect(&r, 1, &hello("g", 1, 1, 0, 2), soon(1000)).unwrap_err().kind(), "invalid");
-        assert!(Listener::bind(hello("g", 1, 0, 2, 2)).is_err());
+        assert_eq!(connect(&r, 1, &hello("g", 1, 1, 0, 2), &a[1], soon(1000)).unwrap_err().kind(), "invalid");
+        assert!(Listener::bind(hello("g", 1, 0, 2, 2), a[0].clone()).is_err());
     }
 }

@@ -8,13 +8,17 @@
 //!
 //! Wire format (little endian):
 //!   hello: b"PLAITHS" | version u8 | epoch u64 | from u32 | to u32 | world u32 | lane u8 | lanes u8
-//!          | group_len u16 | group (UTF-8)
+//!          | mode u8 (bit 0: a token is set, bit 1: frames are sealed) | group_len u16 | group (UTF-8)
 //!   reply: b"PLAITHR" | version u8 | status u8 (1 accept, 0 refuse) | reason_len u16 | reason (UTF-8)
 //! Lengths are bounded (1 KiB) so garbage cannot make either side allocate much.
 //!
 //! A pair of ranks may open several connections ("lanes", `PLAIT_STREAMS`): each hello names its
 //! lane, and both sides must agree on how many there are.
+//!
+//! The hello itself proves nothing: the Noise handshake that follows it (`auth`) proves that each
+//! end holds the key its rank published, and binds the hello's fields to that proof.
 
+use super::auth::LinkMode;
 use std::io::{self, Read, Write};
 use std::net::TcpStream;
 use std::time::{Duration, Instant};
@@ -29,12 +33,14 @@ pub struct Hello {
     /// Which of the `lanes` connections between the two ranks this is.
     pub lane: u8,
     pub lanes: u8,
+    /// Token and sealing: both ends must agree.
+    pub mode: LinkMode,
 }
 
 const HELLO_MAGIC: &[u8; 7] = b"PLAITHS";
 pub(super) const REPLY_MAGIC: &[u8; 7] = b"PLAITHR";
-pub(super) const VERSION: u8 = 2;
-pub(super) const HELLO_FIXED_LEN: usize = 7 + 1 + 8 + 4 + 4 + 4 + 1 + 1 + 2;
+pub(super) const VERSION: u8 = 3;
+pub(super) const HELLO_FIXED_LEN: usize = 7 + 1 + 8 + 4 + 4 + 4 + 1 + 1 + 1 + 2;
 pub(super) const REPLY_FIXED_LEN: usize = 7 + 1 + 1 + 2;
 pub(super) const MAX_GROUP_LEN: usize = 1024;
 pub(super) const MAX_REASON_LEN: usize = 1024;
@@ -51,6 +57,7 @@ impl Hello {
         b.extend_from_slice(&self.world.to_le_bytes());
         b.push(self.lane);
         b.push(self.lanes);
+        b.push(self.mode.to_byte());
         b.extend_from_slice(&(g.len() as u16).to_le_bytes());
         b.extend_from_slice(g);
         b
@@ -86,7 +93,7 @@ pub(super) fn check_hello(h: &Hello, e: &Hello) -> Option<String> {
     } else if h.lane >= h.lanes {
         format!("rank {} sent connection index {} of {}", h.from, h.lane, h.lanes)
     } else {
-        return None;
+        return e.mode.refusal(h.from, h.mode);
     })
 }
 
@@ -106,14 +113,15 @@ pub(super) fn read_hello(s: &mut TcpStream, deadline: Instant) -> Result<Hello, 
     let epoch = u64::from_le_bytes(b[8..16].try_into().unwrap());
     let (from, to, world) = (u32_at(16), u32_at(20), u32_at(24));
     let (lane, lanes) = (b[28], b[29]);
-    let glen = u16::from_le_bytes([b[30], b[31]]) as usize;
+    let mode = LinkMode::from_byte(b[30]).ok_or_else(|| HsFail::Refuse(format!("unknown link mode {:#04x} from rank {from}", b[30])))?;
+    let glen = u16::from_le_bytes([b[31], b[32]]) as usize;
     if glen > MAX_GROUP_LEN {
         return Err(HsFail::Refuse(format!("group id of {glen} bytes exceeds {MAX_GROUP_LEN}")));
     }
     let mut g = vec![0u8; glen];
     read_exact_by(s, &mut g, deadline).map_err(io)?;
     let group = String::from_utf8(g).map_err(|_| HsFail::Refuse("group id is not UTF-8".into()))?;
-    Ok(Hello { group, epoch, from, to, world, lane, lanes })
+    Ok(Hello { group, epoch, from, to, world, lane, lanes, mode })
 }
 
 fn describe_read_error(e: &io::Error) -> String {
@@ -125,6 +133,11 @@ fn describe_read_error(e: &io::Error) -> String {
 }
 
 pub(super) fn write_reply(s: &mut TcpStream, accept: bool, reason: &str) -> io::Result<()> {
+    s.write_all(&reply(accept, reason))
+}
+
+/// The reply's bytes (an accepting one is followed by the handshake's next message).
+pub(super) fn reply(accept: bool, reason: &str) -> Vec<u8> {
     let mut r = reason.as_bytes();
     if r.len() > MAX_REASON_LEN {
         let mut n = MAX_REASON_LEN;
@@ -139,7 +152,7 @@ pub(super) fn write_reply(s: &mut TcpStream, accept: bool, reason: &str) -> io::
     b.push(accept as u8);
     b.extend_from_slice(&(r.len() as u16).to_le_bytes());
     b.extend_from_slice(r);
-    s.write_all(&b)
+    b
 }
 
 /// read_exact with an overall deadline (a per-read timeout alone would let a peer trickle one
@@ -179,7 +192,7 @@ pub(super) mod testing {
     }
 
     pub(in crate::net) fn hello(group: &str, epoch: u64, from: u32, to: u32, world: u32) -> Hello {
-        Hello { group: group.into(), epoch, from, to, world, lane: 0, lanes: 1 }
+        Hello { group: group.into(), epoch, from, to, world, lane: 0, lanes: 1, mode: Default::default() }
     }
 
     pub(in crate::net) fn soon(ms: u64) -> Instant {

@@ -1,13 +1,14 @@
 //! The listening side of link set-up: an accept thread that handshakes each incoming connection
 //! on a short-lived thread of its own and hands accepted streams out by rank and lane.
 
-use super::handshake::{check_hello, read_hello, write_reply, Hello, HsFail};
+use super::auth::{self, LinkAuth, LinkStream, Rejection};
+use super::handshake::{check_hello, read_hello, reply, write_reply, Hello, HsFail};
 use super::tuning::tune_stream;
 use crate::error::PlaitError;
 use parking_lot::{Condvar, Mutex};
 use socket2::{Domain, Protocol, Socket, Type};
 use std::collections::{HashMap, HashSet};
-use std::io;
+use std::io::{self, Read, Write};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -33,6 +34,7 @@ pub struct Listener {
 
 struct Shared {
     expect: Hello,
+    auth: Arc<LinkAuth>,
     handshake_timeout: Duration,
     stop: AtomicBool,
     state: Mutex<State>,
@@ -42,7 +44,7 @@ struct Shared {
 #[derive(Default)]
 struct State {
     /// Accepted, not yet taken by accept_lane, by (rank, lane).
-    ready: HashMap<(u32, u8), TcpStream>,
+    ready: HashMap<(u32, u8), LinkStream>,
     /// Lanes accepted, being replied to, or taken: a second connection claiming one is refused.
     claimed: HashSet<(u32, u8)>,
     /// Lanes whose stream accept_lane already handed out.
@@ -57,13 +59,15 @@ struct State {
 }
 
 impl Listener {
-    /// Listens on all addresses, ephemeral port. `expect.from` is ignored.
-    pub fn bind(expect: Hello) -> Result<Listener, PlaitError> {
-        Listener::bind_with(expect, 0, HANDSHAKE_TIMEOUT)
+    /// Listens on all addresses, ephemeral port. `expect.from` is ignored; connectors must prove
+    /// the keys `auth` learns they published.
+    pub fn bind(expect: Hello, auth: Arc<LinkAuth>) -> Result<Listener, PlaitError> {
+        Listener::bind_with(expect, auth, 0, HANDSHAKE_TIMEOUT)
     }
 
     /// As `bind`, with an explicit port (0 = ephemeral) and handshake timeout.
-    pub fn bind_with(expect: Hello, port: u16, handshake_timeout: Duration) -> Result<Listener, PlaitError> {
+    pub fn bind_with(expect: Hello, auth: Arc<LinkAuth>, port: u16, handshake_timeout: Duration) -> Result<Listener, PlaitError> {
+        let expect = Hello { mode: auth.mode(), ..expect };
         if expect.to >= expect.world {
             return Err(PlaitError::invalid(format!(
                 "listener rank {} out of range for world size {}",
@@ -74,6 +78,7 @@ impl Listener {
         let port = listener.local_addr().map_err(PlaitError::from)?.port();
         let shared = Arc::new(Shared {
             expect,
+            auth,
             handshake_timeout,
             stop: AtomicBool::new(false),
             state: Mutex::new(State::default()),
@@ -92,12 +97,12 @@ impl Listener {
     }
 
     /// Waits for the accepted connection from rank `from` (any order of arrival) until `deadline`.
-    pub fn accept_from(&self, from: u32, deadline: Instant) -> Result<TcpStream, PlaitError> {
+    pub fn accept_from(&self, from: u32, deadline: Instant) -> Result<LinkStream, PlaitError> {
         self.accept_lane(from, 0, deadline)
     }
 
     /// As `accept_from`, for one of several connections from that rank.
-    pub fn accept_lane(&self, from: u32, lane: u8, deadline: Instant) -> Result<TcpStream, PlaitError> {
+    pub fn accept_lane(&self, from: u32, lane: u8, deadline: Instant) -> Result<LinkStream, PlaitError> {
         let start = Instant::now();
         let e = &self.shared.expect;
         if from <= e.to || from >= e.world {
@@ -153,6 +158,7 @@ impl Listener {
             }
             st.ready.clear();
         }
+        self.shared.auth.stop_waiting();
         self.shared.cv.notify_all();
         if let Some(h) = self.thread.lock().take() {
             let _ = h.join();
@@ -256,15 +262,20 @@ fn handshake(mut s: TcpStream, addr: SocketAddr, id: u64, shared: &Shared) {
     let hello = match read_hello(&mut s, deadline) {
         Ok(h) => h,
         Err(HsFail::Refuse(why)) => return refuse(s, addr, None, why, shared),
-        Err(HsFail::Io(why)) => {
-            tracing::warn!(remote = %addr, "handshake failed: {why}");
-            shared.state.lock().last_refusal = Some(format!("{addr}: {why}"));
-            return;
-        }
+        Err(HsFail::Io(why)) => return give_up(addr, &why, shared),
     };
     if let Some(why) = check_hello(&hello, &shared.expect) {
         return refuse(s, addr, Some(hello.from), why, shared);
     }
+    let msg1 = match auth::read_msg(&mut s, deadline) {
+        Ok(m) => m,
+        Err(e) => return give_up(addr, &format!("no complete handshake message from rank {}: {e}", hello.from), shared),
+    };
+    let mut responder = match auth::respond(&shared.auth, &hello, &msg1, deadline) {
+        Ok(r) => r,
+        Err(Rejection::Refuse(why)) => return refuse(s, addr, Some(hello.from), why, shared),
+        Err(Rejection::Drop(why)) => return give_up(addr, &why, shared),
+    };
     let key = (hello.from, hello.lane);
     {
         let mut st = shared.state.lock();
@@ -283,11 +294,16 @@ fn handshake(mut s: TcpStream, addr: SocketAddr, id: u64, shared: &Shared) {
         // Claim before replying so two concurrent attempts from one rank cannot both succeed.
         st.claimed.insert(key);
     }
-    let ready = write_reply(&mut s, true, "").and_then(|_| {
+    // The link is up only once the connector proved it holds the handshake's final keys.
+    let ready = (|| {
+        let mut answer = reply(true, "");
+        responder.answer(&mut answer)?;
+        s.write_all(&answer)?;
+        let cipher = responder.confirm(&shared.auth, hello.from, &mut s, deadline)?;
         s.set_read_timeout(None)?;
         s.set_write_timeout(None)?;
-        Ok(())
-    });
+        Ok::<_, io::Error>(cipher)
+    })();
     if ready.is_ok() {
         if let Err(e) = tune_stream(&s) {
             tracing::warn!(remote = %addr, "cannot tune link socket from rank {}: {e}", hello.from);
@@ -295,24 +311,33 @@ fn handshake(mut s: TcpStream, addr: SocketAddr, id: u64, shared: &Shared) {
     }
     let mut st = shared.state.lock();
     match ready {
-        Ok(()) if !st.closed => {
+        Ok(cipher) if !st.closed => {
             tracing::debug!(remote = %addr, "accepted rank {} as rank {}", hello.from, shared.expect.to);
             // Leave `pending` in the same critical section, or a close() right after the owner
             // took the stream would shut down the owner's link.
             st.pending.remove(&id);
             st.refused_rank.remove(&hello.from);
-            st.ready.insert(key, s);
+            st.ready.insert(key, LinkStream { stream: s, cipher });
             drop(st);
             shared.cv.notify_all();
         }
-        Ok(()) => {}
+        Ok(_) => {}
         Err(e) => {
             // The peer will see the failure and retry; let it.
             st.claimed.remove(&key);
+            let why = format!("handshake with rank {} failed after its hello: {e}", hello.from);
+            st.refused_rank.insert(hello.from, why.clone());
+            st.last_refusal = Some(format!("{addr}: {why}"));
             drop(st);
-            tracing::warn!(remote = %addr, "handshake with rank {} failed while replying: {e}", hello.from);
+            tracing::warn!(remote = %addr, "{why}");
         }
     }
+}
+
+/// Closes a connection that got no reply (it failed, or may be retried), keeping why.
+fn give_up(addr: SocketAddr, why: &str, shared: &Shared) {
+    tracing::warn!(remote = %addr, "handshake failed: {why}");
+    shared.state.lock().last_refusal = Some(format!("{addr}: {why}"));
 }
 
 fn refuse(mut s: TcpStream, addr: SocketAddr, from: Option<u32>, why: String, shared: &Shared) {
@@ -325,6 +350,17 @@ fn refuse(mut s: TcpStream, addr: SocketAddr, from: Option<u32>, why: String, sh
         }
         st.last_refusal = Some(format!("{addr}: {why}"));
     }
+    // Bytes left unread (the handshake message sent with the hello) would make closing reset the
+    // connection, and the peer could lose the reason: take what has arrived first.
+    if s.set_nonblocking(true).is_ok() {
+        let mut sink = [0u8; 1024];
+        for _ in 0..4 {
+            if !matches!(s.read(&mut sink), Ok(n) if n > 0) {
+                break;
+            }
+        }
+        let _ = s.set_nonblocking(false);
+    }
     let _ = write_reply(&mut s, false, &why);
     let _ = s.shutdown(Shutdown::Both);
 }
@@ -332,6 +368,7 @@ fn refuse(mut s: TcpStream, addr: SocketAddr, from: Option<u32>, why: String, sh
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::net::auth::test_world;
     use crate::net::connect::connect;
     use crate::net::handshake::testing::{hello, lo_route, soon};
     use crate::net::handshake::{HELLO_FIXED_LEN, REPLY_MAGIC};
@@ -340,26 +377,29 @@ mod tests {
     #[test]
     fn full_mesh_of_four_ranks() {
         let world = 4u32;
+        let auth = test_world(world as usize, None, false);
         let listeners: Vec<Arc<Listener>> =
-            (0..world).map(|r| Arc::new(Listener::bind(hello("mesh", 7, 0, r, world)).unwrap())).collect();
+            (0..world).map(|r| Arc::new(Listener::bind(hello("mesh", 7, 0, r, world), auth[r as usize].clone()).unwrap())).collect();
         let ports: Vec<u16> = listeners.iter().map(|l| l.port()).collect();
         let threads: Vec<_> = (0..world)
             .map(|me| {
                 let l = listeners[me as usize].clone();
                 let ports = ports.clone();
+                let auth = auth[me as usize].clone();
                 std::thread::spawn(move || {
                     let deadline = soon(5000);
                     let mut links = HashMap::new();
                     // Connect downwards in reverse order and accept upwards in reverse order,
                     // so arrivals are out of order.
                     for peer in (0..me).rev() {
-                        let mut s = connect(&lo_route(), ports[peer as usize], &hello("mesh", 7, me, peer, world), deadline)
-                            .unwrap();
+                        let mut s = connect(&lo_route(), ports[peer as usize], &hello("mesh", 7, me, peer, world), &auth, deadline)
+                            .unwrap()
+                            .stream;
                         s.write_all(&me.to_le_bytes()).unwrap();
                         links.insert(peer, s);
                     }
                     for peer in (me + 1..world).rev() {
-                        let mut s = l.accept_from(peer, deadline).unwrap();
+                        let mut s = l.accept_from(peer, deadline).unwrap().stream;
                         assert_eq!(s.read_timeout().unwrap(), None);
                         assert!(s.nodelay().unwrap());
                         let mut b = [0u8; 4];
@@ -384,7 +424,8 @@ mod tests {
 
     #[test]
     fn mismatched_hellos_are_refused_and_listener_keeps_working() {
-        let l = Listener::bind(hello("g", 1, 0, 0, 3)).unwrap();
+        let a = test_world(3, None, false);
+        let l = Listener::bind(hello("g", 1, 0, 0, 3), a[0].clone()).unwrap();
         let p = l.port();
         let cases = [
             (hello("other", 1, 1, 0, 3), "group"),
@@ -393,7 +434,7 @@ mod tests {
         ];
         for (h, what) in cases {
             let t = Instant::now();
-            let e = connect(&lo_route(), p, &h, soon(3000)).unwrap_err();
+            let e = connect(&lo_route(), p, &h, &a[1], soon(3000)).unwrap_err();
             let msg = e.to_string();
             assert_eq!(e.kind(), "peer", "{msg}");
             assert!(msg.contains("refused") && msg.contains(what), "{msg}");
@@ -410,26 +451,29 @@ mod tests {
             assert_eq!(r[8], 0);
             assert!(String::from_utf8_lossy(&r[11..]).contains(what), "{:?}", String::from_utf8_lossy(&r));
         }
-        let t = std::thread::spawn(move || connect(&lo_route(), p, &hello("g", 1, 2, 0, 3), soon(3000)).unwrap());
-        let mut s = l.accept_from(2, soon(3000)).unwrap();
-        let mut c = t.join().unwrap();
+        let a2 = a[2].clone();
+        let t = std::thread::spawn(move || connect(&lo_route(), p, &hello("g", 1, 2, 0, 3), &a2, soon(3000)).unwrap());
+        let mut s = l.accept_from(2, soon(3000)).unwrap().stream;
+        let mut c = t.join().unwrap().stream;
         c.write_all(b"hi").unwrap();
         let mut b = [0u8; 2];
         s.read_exact(&mut b).unwrap();
         assert_eq!(&b, b"hi");
         // A second connection claiming the same rank is refused, even after it was taken.
-        let e = connect(&lo_route(), p, &hello("g", 1, 2, 0, 3), soon(3000)).unwrap_err();
+        let e = connect(&lo_route(), p, &hello("g", 1, 2, 0, 3), &a[2], soon(3000)).unwrap_err();
         assert!(e.to_string().contains("already connected"), "{e}");
         assert!(l.accept_from(2, soon(10)).is_err());
         // The other rank still gets in.
-        let t = std::thread::spawn(move || connect(&lo_route(), p, &hello("g", 1, 1, 0, 3), soon(3000)).unwrap());
+        let a1 = a[1].clone();
+        let t = std::thread::spawn(move || connect(&lo_route(), p, &hello("g", 1, 1, 0, 3), &a1, soon(3000)).unwrap());
         l.accept_from(1, soon(3000)).unwrap();
         t.join().unwrap();
     }
 
     #[test]
     fn garbage_and_silent_connections_do_not_block_a_valid_peer() {
-        let l = Listener::bind_with(hello("g", 3, 0, 0, 2), 0, Duration::from_millis(800)).unwrap();
+        let a = test_world(2, None, false);
+        let l = Listener::bind_with(hello("g", 3, 0, 0, 2), a[0].clone(), 0, Duration::from_millis(800)).unwrap();
         let p = l.port();
         // Random bytes.
         let mut junk = TcpStream::connect(("127.0.0.1", p)).unwrap();
@@ -446,7 +490,7 @@ mod tests {
         // Valid magic announcing a huge group id.
         let mut huge = TcpStream::connect(("127.0.0.1", p)).unwrap();
         let mut h = hello("g", 3, 1, 0, 2).encode();
-        h[30..32].copy_from_slice(&u16::MAX.to_le_bytes());
+        h[31..33].copy_from_slice(&u16::MAX.to_le_bytes());
         huge.write_all(&h[..HELLO_FIXED_LEN]).unwrap();
         // Silent half-open, and one that stalls mid-hello.
         let mut silent = TcpStream::connect(("127.0.0.1", p)).unwrap();
@@ -454,7 +498,8 @@ mod tests {
         stalled.write_all(&hello("g", 3, 1, 0, 2).encode()[..10]).unwrap();
 
         let t0 = Instant::now();
-        let c = std::thread::spawn(move || connect(&lo_route(), p, &hello("g", 3, 1, 0, 2), soon(3000)).unwrap());
+        let a1 = a[1].clone();
+        let c = std::thread::spawn(move || connect(&lo_route(), p, &hello("g", 3, 1, 0, 2), &a1, soon(3000)).unwrap());
         l.accept_from(1, soon(3000)).unwrap();
         c.join().unwrap();
         assert!(t0.elapsed() < Duration::from_millis(500), "valid peer delayed {:?}", t0.elapsed());
@@ -476,14 +521,15 @@ mod tests {
 
     #[test]
     fn accept_from_times_out_naming_the_rank() {
-        let l = Listener::bind(hello("g", 5, 0, 1, 4)).unwrap();
+        let a = test_world(4, None, false);
+        let l = Listener::bind(hello("g", 5, 0, 1, 4), a[1].clone()).unwrap();
         let t = Instant::now();
         let e = l.accept_from(3, soon(200)).unwrap_err();
         assert!(t.elapsed() >= Duration::from_millis(200) && t.elapsed() < Duration::from_secs(1));
         assert_eq!(e.kind(), "timeout");
         assert!(e.to_string().contains("rank 3"), "{e}");
         // A refused attempt by that rank is part of the diagnosis.
-        let _ = connect(&lo_route(), l.port(), &hello("g", 4, 3, 1, 4), soon(2000)).unwrap_err();
+        let _ = connect(&lo_route(), l.port(), &hello("g", 4, 3, 1, 4), &a[3], soon(2000)).unwrap_err();
         let e = l.accept_from(3, soon(100)).unwrap_err();
         assert!(e.to_string().contains("epoch 4"), "{e}");
         // Ranks that never connect to this one are rejected outright.
@@ -494,7 +540,8 @@ mod tests {
 
     #[test]
     fn close_joins_promptly_and_wakes_waiters() {
-        let l = Arc::new(Listener::bind(hello("g", 1, 0, 0, 2)).unwrap());
+        let a = test_world(2, None, false);
+        let l = Arc::new(Listener::bind(hello("g", 1, 0, 0, 2), a[0].clone()).unwrap());
         let p = l.port();
         let _silent = TcpStream::connect(("127.0.0.1", p)).unwrap();
         std::thread::sleep(Duration::from_millis(50));
@@ -507,7 +554,7 @@ mod tests {
         assert_eq!(waiter.join().unwrap().unwrap_err().kind(), "broken");
         l.close();
         // Nobody listens any more.
-        let e = connect(&lo_route(), p, &hello("g", 1, 1, 0, 2), soon(200)).unwrap_err();
+        let e = connect(&lo_route(), p, &hello("g", 1, 1, 0, 2), &a[1], soon(200)).unwrap_err();
         assert_eq!(e.kind(), "timeout", "{e}");
         let m = e.to_string();
         assert!(m.contains("rank 0") && m.contains(&format!("127.0.0.1:{p}")) && m.contains("refused"), "{m}");
@@ -515,13 +562,15 @@ mod tests {
 
     #[test]
     fn streams_taken_before_close_survive_it() {
+        let a = test_world(2, None, false);
         for _ in 0..20 {
-            let l = Listener::bind(hello("g", 1, 0, 0, 2)).unwrap();
+            let l = Listener::bind(hello("g", 1, 0, 0, 2), a[0].clone()).unwrap();
             let p = l.port();
-            let c = std::thread::spawn(move || connect(&lo_route(), p, &hello("g", 1, 1, 0, 2), soon(3000)).unwrap());
-            let mut s = l.accept_from(1, soon(3000)).unwrap();
+            let a1 = a[1].clone();
+            let c = std::thread::spawn(move || connect(&lo_route(), p, &hello("g", 1, 1, 0, 2), &a1, soon(3000)).unwrap());
+            let mut s = l.accept_from(1, soon(3000)).unwrap().stream;
             drop(l);
-            let mut c = c.join().unwrap();
+            let mut c = c.join().unwrap().stream;
             c.write_all(b"ok").unwrap();
             let mut b = [0u8; 2];
             s.read_exact(&mut b).unwrap();

@@ -1,6 +1,7 @@
 //! Links between ranks: local interfaces, per-peer route choice, TCP connections with a
 //! handshake, and message framing.
 
+pub mod auth;
 pub mod connect;
 pub mod frame;
 pub mod handshake;
@@ -9,5 +10,6 @@ pub mod listener;
 pub mod peer;
 mod reader;
 pub mod route;
+pub mod seal;
 mod tuning;
 mod wait;

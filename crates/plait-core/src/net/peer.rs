@@ -5,8 +5,10 @@
 //! Why threads per peer: every link carries traffic at once (a full mesh uses all cables), and a
 //! blocked write to one slow peer must never stall another.
 
+use super::auth::LinkStream;
 use super::frame::{FrameHeader, FrameKind, HEADER_LEN};
 use super::reader::ReadSide;
+use super::seal::{Sealer, RECORD_MAX};
 pub use super::wait::CallerPoll;
 use crossbeam_channel::{Receiver, Sender};
 use parking_lot::Mutex;
@@ -92,7 +94,7 @@ impl PeerLink {
     pub fn start(
         peer: usize,
         addr: String,
-        streams: Vec<TcpStream>,
+        streams: Vec<LinkStream>,
         inbox: Arc<dyn Inbox>,
         heartbeat: Duration,
     ) -> io::Result<Arc<PeerLink>> {
@@ -102,7 +104,8 @@ impl PeerLink {
         let deaf = Arc::new(AtomicBool::new(false));
         let mut lanes = Vec::with_capacity(streams.len());
         let mut threads = Vec::new();
-        for (i, stream) in streams.into_iter().enumerate() {
+        for (i, LinkStream { stream, cipher }) in streams.into_iter().enumerate() {
+            let (seal, open) = cipher.map(|c| (c.seal, c.open)).unzip();
             let (queue, queue_rx) = crossbeam_channel::unbounded();
             let (urgent, urgent_rx) = crossbeam_channel::unbounded();
             let last_rx = Arc::new(AtomicU64::new(0));
@@ -111,8 +114,9 @@ impl PeerLink {
                 scratch: Vec::with_capacity(HEADER_LEN + EAGER_MAX),
                 last_tx: Instant::now(),
                 failed: None,
+                seal,
             }));
-            let read = Arc::new(ReadSide::new(peer, stream.try_clone()?, inbox.clone(), heartbeat, last_rx.clone(), epoch_start, deaf.clone())?);
+            let read = Arc::new(ReadSide::new(peer, stream.try_clone()?, inbox.clone(), heartbeat, last_rx.clone(), epoch_start, deaf.clone())?.sealed(open));
             let (w, c) = (writer.clone(), closing.clone());
             let suffix = if i == 0 { String::new() } else { format!(".{i}") };
             threads.push(
@@ -274,13 +278,18 @@ struct Writer {
     scratch: Vec<u8>,
     last_tx: Instant,
     failed: Option<io::ErrorKind>,
+    /// `PLAIT_ENCRYPT`: this lane's sending keys.
+    seal: Option<Sealer>,
 }
 
 impl Writer {
     fn write(&mut self, req: &SendReq) -> io::Result<()> {
         let result = match self.failed {
             Some(kind) => Err(io::Error::new(kind, "link failed earlier")),
-            None => write_frame(&mut self.stream, req, &mut self.scratch),
+            None => match &mut self.seal {
+                None => write_frame(&mut self.stream, req, &mut self.scratch),
+                Some(seal) => write_sealed(&mut self.stream, req, &mut self.scratch, seal),
+            },
         };
         if let Err(e) = &result {
             self.failed.get_or_insert(e.kind());
@@ -356,10 +365,9 @@ fn send_loop(
     }
 }
 
-fn write_frame(w: &mut TcpStream, req: &SendReq, scratch: &mut Vec<u8>) -> io::Result<()> {
+fn write_frame(w: &mut impl Write, req: &SendReq, scratch: &mut Vec<u8>) -> io::Result<()> {
     let header = req.header.encode();
-    // SAFETY: see SendBuf.
-    let payload: &[u8] = if req.data.len == 0 { &[] } else { unsafe { std::slice::from_raw_parts(req.data.ptr, req.data.len) } };
+    let payload = payload_of(req);
     if payload.len() <= EAGER_MAX {
         scratch.clear();
         scratch.extend_from_slice(&header);
@@ -368,5 +376,35 @@ fn write_frame(w: &mut TcpStream, req: &SendReq, scratch: &mut Vec<u8>) -> io::R
     } else {
         w.write_all(&header)?;
         w.write_all(payload)
+    }
+}
+
+/// The frame sealed (see `seal`), written a few records at a time.
+pub(super) fn write_sealed(w: &mut impl Write, req: &SendReq, scratch: &mut Vec<u8>, seal: &mut Sealer) -> io::Result<()> {
+    /// Sealed bytes gathered per write: small frames go out whole in one write.
+    const BATCH: usize = 256 * 1024;
+    scratch.clear();
+    seal.seal(&req.header.encode(), scratch)?;
+    for record in payload_of(req).chunks(RECORD_MAX) {
+        seal.seal(record, scratch)?;
+        if scratch.len() >= BATCH {
+            w.write_all(scratch)?;
+            scratch.clear();
+        }
+    }
+    // The batch stays allocated (at most BATCH + one record per lane), as the eager copy does.
+    if scratch.is_empty() {
+        Ok(())
+    } else {
+        w.write_all(scratch)
+    }
+}
+
+fn payload_of(req: &SendReq) -> &[u8] {
+    // SAFETY: see SendBuf.
+    if req.data.len == 0 {
+        &[]
+    } else {
+        unsafe { std::slice::from_raw_parts(req.data.ptr, req.data.len) }
     }
 }

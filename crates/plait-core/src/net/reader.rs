@@ -17,9 +17,15 @@
 //!
 //! Receives that must not block go through `platform::socket`; waiting for the socket is in
 //! `wait`.
+//!
+//! A sealed link (`PLAIT_ENCRYPT=1`) reads the same way, record by record (see `seal`): a
+//! header's record whole, then each payload record through `Unsealing` into plaintext that the
+//! payload's reader hands out. Records never span frames, so between frames nothing is left
+//! decrypted and the readiness rule above still holds.
 
 use super::frame::{FrameHeader, FrameKind, HEADER_LEN};
 use super::peer::Inbox;
+use super::seal::{sealed_len, Opener, RECORD_MAX};
 use super::wait::SocketWait;
 use crate::platform::socket;
 use parking_lot::{Condvar, Mutex};
@@ -69,7 +75,7 @@ impl ReadSide {
             stream,
             inbox,
             heartbeat,
-            frame_lock: Mutex::new(RxBuf { data: vec![0; RX_BUF], start: 0, end: 0, lowat: 1 }),
+            frame_lock: Mutex::new(RxBuf { data: vec![0; RX_BUF], start: 0, end: 0, lowat: 1, open: None }),
             caller_mode: AtomicBool::new(false),
             park: Mutex::new(()),
             unpark: Condvar::new(),
@@ -80,6 +86,14 @@ impl ReadSide {
             ended: AtomicBool::new(false),
             closed_cleanly: AtomicBool::new(false),
         })
+    }
+
+    /// Frames on this link are sealed with `open`'s keys (when given).
+    pub fn sealed(mut self, open: Option<Opener>) -> ReadSide {
+        self.frame_lock.get_mut().open = open.map(|opener| {
+            Box::new(Unsealing { opener, wire: vec![0; sealed_len(RECORD_MAX)], plain: vec![0; RECORD_MAX], start: 0, end: 0 })
+        });
+        self
     }
 
     /// Whether a caller may poll and read this link now.
@@ -181,7 +195,7 @@ impl ReadSide {
             if self.ended.load(Ordering::Acquire) || self.deaf.load(Ordering::Acquire) {
                 return false;
             }
-            if rx.len() < HEADER_LEN {
+            if rx.len() < rx.header_len() {
                 match fill(&self.stream, rx, Wait::No) {
                     Ok(0) => return true,
                     Ok(_) => continue,
@@ -211,11 +225,19 @@ impl ReadSide {
             Some(d) => Wait::Until(d),
             None => Wait::Forever,
         };
-        while rx.len() < HEADER_LEN {
+        let header_len = rx.header_len();
+        while rx.len() < header_len {
             fill(&self.stream, rx, wait)?;
         }
-        let raw: [u8; HEADER_LEN] = rx.data[rx.start..rx.start + HEADER_LEN].try_into().unwrap();
-        rx.start += HEADER_LEN;
+        let on_wire = &rx.data[rx.start..rx.start + header_len];
+        let mut raw = [0u8; HEADER_LEN];
+        match &mut rx.open {
+            None => raw.copy_from_slice(on_wire),
+            Some(u) => {
+                u.opener.open(on_wire, &mut raw)?;
+            }
+        }
+        rx.start += header_len;
         let header = FrameHeader::decode(&raw)?;
         self.touch();
         match FrameKind::from_u8(header.kind) {
@@ -262,6 +284,18 @@ pub(super) struct RxBuf {
     /// The socket's SO_RCVLOWAT: raised while a large payload is read by a blocking thread, so
     /// it wakes once per `LOWAT` bytes instead of once per packet; 1 otherwise.
     lowat: usize,
+    /// A sealed link's receiving keys and record buffers.
+    open: Option<Box<Unsealing>>,
+}
+
+/// One record of a sealed link at a time: as read off the wire, then opened.
+struct Unsealing {
+    opener: Opener,
+    wire: Vec<u8>,
+    plain: Vec<u8>,
+    /// `plain[start..end]` is opened and not yet handed out.
+    start: usize,
+    end: usize,
 }
 
 /// How many bytes a receiver thread reading a large payload waits for per wake-up (at most).
@@ -282,6 +316,15 @@ const RX_BUF: usize = 64 * 1024;
 impl RxBuf {
     fn len(&self) -> usize {
         self.end - self.start
+    }
+
+    /// A frame header's length on the wire.
+    fn header_len(&self) -> usize {
+        if self.open.is_some() {
+            sealed_len(HEADER_LEN)
+        } else {
+            HEADER_LEN
+        }
     }
 }
 
@@ -342,10 +385,52 @@ struct Payload<'a> {
     side: &'a ReadSide,
 }
 
+impl Payload<'_> {
+    /// Hands out the opened part of the current record, opening the next one when it is used up.
+    fn read_sealed(&mut self, u: &mut Unsealing, buf: &mut [u8]) -> io::Result<usize> {
+        if u.start == u.end {
+            let wire = sealed_len((self.left as usize).min(RECORD_MAX));
+            let mut got = 0;
+            while got < wire {
+                if self.rx.len() > 0 {
+                    let n = (wire - got).min(self.rx.len());
+                    u.wire[got..got + n].copy_from_slice(&self.rx.data[self.rx.start..self.rx.start + n]);
+                    self.rx.start += n;
+                    got += n;
+                    continue;
+                }
+                if wire - got >= RX_BUF / 2 {
+                    if matches!(self.wait, Wait::Forever) {
+                        // As for plain payloads: the rest of this record is on its way.
+                        set_lowat(self.stream, self.rx, ((wire - got) / 2).min(LOWAT));
+                    }
+                    got += recv_some(self.stream, &mut u.wire[got..wire], self.wait)?;
+                } else {
+                    set_lowat(self.stream, self.rx, 1);
+                    fill(self.stream, self.rx, self.wait)?;
+                }
+                self.side.touch();
+            }
+            u.end = u.opener.open(&u.wire[..wire], &mut u.plain)?;
+            u.start = 0;
+        }
+        let n = buf.len().min(u.end - u.start);
+        buf[..n].copy_from_slice(&u.plain[u.start..u.start + n]);
+        u.start += n;
+        self.left -= n as u64;
+        Ok(n)
+    }
+}
+
 impl Read for Payload<'_> {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
         if self.left == 0 || buf.is_empty() {
             return Ok(0);
+        }
+        if let Some(mut u) = self.rx.open.take() {
+            let n = self.read_sealed(&mut u, buf);
+            self.rx.open = Some(u);
+            return n;
         }
         let max = buf.len().min(self.left as usize);
         let n = if self.rx.len() > 0 {
