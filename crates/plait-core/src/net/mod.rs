@@ -13,3 +13,5 @@ pub mod route;
 pub mod seal;
 mod tuning;
 mod wait;
+#[cfg(test)]
+mod handshake_fuzz;
