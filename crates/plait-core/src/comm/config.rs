@@ -18,6 +18,7 @@ pub struct Setting {
 }
 
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
+pub const DEFAULT_HELLO_TIMEOUT: Duration = crate::net::listener::HANDSHAKE_TIMEOUT;
 pub const DEFAULT_SEGMENT_BYTES: usize = 1 << 20;
 /// Blocking calls this small read their links on the calling thread: saves a thread hand-off
 /// per message, while larger transfers keep one receiver thread per link (links in parallel).
@@ -37,6 +38,12 @@ pub const SETTINGS: &[Setting] = &[
         kind: "seconds",
         default: "300",
         doc: "Deadline of start-up and of every operation; a peer silent for this long is named in the error.",
+    },
+    Setting {
+        name: "PLAIT_HELLO_TIMEOUT",
+        kind: "seconds",
+        default: "5",
+        doc: "How long an accepted connection may take to send its hello; a connection silent for longer is closed (a real peer sends it at once). It never holds up other connections.",
     },
     Setting {
         name: "PLAIT_IFACE",
@@ -146,6 +153,8 @@ pub struct CommConfig {
     pub epoch: u64,
     /// Default deadline of every operation (and of set-up).
     pub timeout: Duration,
+    /// How long an accepted connection may take to send its hello (`PLAIT_HELLO_TIMEOUT`).
+    pub hello_timeout: Duration,
     /// `PLAIT_ALGO` syntax: `allreduce:ring,allgather:direct`.
     pub algo: Option<String>,
     pub segment_bytes: usize,
@@ -185,6 +194,8 @@ impl CommConfig {
     pub fn from_env(rank: usize, size: usize) -> Result<CommConfig> {
         let timeout = number("PLAIT_TIMEOUT", |s: &f64| *s > 0.0, "a positive number of seconds")?
             .map_or(DEFAULT_TIMEOUT, Duration::from_secs_f64);
+        let hello_timeout = number("PLAIT_HELLO_TIMEOUT", |s: &f64| *s > 0.0 && *s <= 1e6, "a positive number of seconds (at most 1e6)")?
+            .map_or(DEFAULT_HELLO_TIMEOUT, Duration::from_secs_f64);
         let segment_bytes =
             number("PLAIT_SEGMENT_BYTES", |s: &usize| *s >= 1024, "an integer >= 1024")?.unwrap_or(DEFAULT_SEGMENT_BYTES);
         let caller_read_bytes = number("PLAIT_CALLER_READ_BYTES", |_: &usize| true, "a number of bytes (0 turns caller reads off)")?
@@ -208,6 +219,7 @@ impl CommConfig {
             group: "default".into(),
             epoch: 0,
             timeout,
+            hello_timeout,
             algo: setting("PLAIT_ALGO"),
             segment_bytes,
             caller_read_bytes,
@@ -235,6 +247,7 @@ mod tests {
         }
         let default_of = |n: &str| SETTINGS.iter().find(|s| s.name == n).unwrap().default;
         assert_eq!(default_of("PLAIT_TIMEOUT").parse::<u64>().unwrap(), DEFAULT_TIMEOUT.as_secs());
+        assert_eq!(default_of("PLAIT_HELLO_TIMEOUT").parse::<u64>().unwrap(), DEFAULT_HELLO_TIMEOUT.as_secs());
         assert_eq!(default_of("PLAIT_SEGMENT_BYTES").parse::<usize>().unwrap(), DEFAULT_SEGMENT_BYTES);
         assert_eq!(default_of("PLAIT_CALLER_READ_BYTES").parse::<usize>().unwrap(), DEFAULT_CALLER_READ_BYTES);
         assert_eq!(default_of("PLAIT_STREAMS").parse::<usize>().unwrap(), DEFAULT_STREAMS);

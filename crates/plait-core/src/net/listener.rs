@@ -1,42 +1,152 @@
-//! The listening side of link set-up: an accept thread that handshakes each incoming connection
-//! on a short-lived thread of its own and hands accepted streams out by rank and lane.
+//! The listening side of link set-up: an accept thread that screens each incoming connection by
+//! its address, waits (without a thread) until it sends something, handshakes it on a
+//! short-lived thread of its own and hands accepted streams out by rank and lane.
+//!
+//! A connection that never sends a hello costs a socket until its hello deadline, nothing more:
+//! silent connections are watched by one poller, so any number of them cannot take the handshake
+//! threads a real peer needs. A listener opened for a rendezvous (`bind_on` with `screened`)
+//! holds connections unread until `admit` names the expected peers, then closes every connection
+//! from another address before reading a byte of it.
 
 use super::handshake::{check_hello, read_hello, write_reply, Hello, HsFail};
 use super::tuning::tune_stream;
 use crate::error::PlaitError;
 use parking_lot::{Condvar, Mutex};
+use polling::{Event, Events, PollMode, Poller};
 use socket2::{Domain, Protocol, Socket, Type};
-use std::collections::{HashMap, HashSet};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::io;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, Shutdown, SocketAddr, TcpListener, TcpStream};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-/// How long an accepted connection may take to send its hello.
+/// How long an accepted connection may take to send its hello and finish the handshake (the
+/// default of `PLAIT_HELLO_TIMEOUT`). A real peer sends its hello as soon as it connects.
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// Handshakes in progress at once; beyond this, new connections are dropped so a flood cannot
-/// exhaust threads (a real peer retries on reset).
-const MAX_PENDING_HANDSHAKES: usize = 64;
-/// Accept poll period: bounds how long close() waits for the accept thread.
-const ACCEPT_POLL: Duration = Duration::from_millis(20);
+/// Handshakes in progress at once (threads). Only connections that sent something take one; the
+/// others queue, so a flood of slow senders delays real peers by at most their hello deadline.
+const MAX_HANDSHAKE_THREADS: usize = 64;
+/// Connections waiting for their first byte (or for `admit`). Beyond this the oldest is closed, so
+/// a flood costs a bounded number of sockets and a real peer, which sends its hello at once, is
+/// not the one evicted.
+const MAX_WAITING: usize = 1024;
+/// Addresses kept for the error that names half-open connections.
+const NAMED_ADDRS: usize = 8;
+/// How `read_hello` says its deadline passed (kept apart from resets and refusals).
+const NO_HELLO: &str = "no complete hello";
+/// Attempts to find one port free on every address to bind.
+const BIND_ATTEMPTS: usize = 16;
 
-/// Listening socket plus an accept thread that handshakes each incoming connection on its own
-/// short-lived thread, so a silent or garbage-sending connection never delays the others.
+/// Listening sockets (one per bound address, one port) plus an accept thread; see the module doc.
 pub struct Listener {
     shared: Arc<Shared>,
     port: u16,
+    addrs: Vec<SocketAddr>,
     thread: Mutex<Option<JoinHandle<()>>>,
 }
 
 struct Shared {
     expect: Hello,
-    handshake_timeout: Duration,
+    hello_timeout: Duration,
     stop: AtomicBool,
+    /// Wakes the accept thread: close, admit, a handshake thread ending.
+    poller: Poller,
+    handshakes: AtomicUsize,
     state: Mutex<State>,
     cv: Condvar,
+}
+
+/// Who may connect.
+enum Admission {
+    /// Anyone who sends a valid hello.
+    Open,
+    /// Not known yet: connections are held unread until `admit`.
+    Awaiting,
+    /// Only the addresses the peers published, each rank from its own.
+    Peers { by_rank: HashMap<u32, Vec<IpAddr>>, any: HashSet<IpAddr> },
+}
+
+impl Admission {
+    /// Whether a connection from `ip` may be read at all.
+    fn allows(&self, ip: IpAddr) -> bool {
+        match self {
+            Admission::Open | Admission::Awaiting => true,
+            Admission::Peers { any, .. } => any.contains(&ip),
+        }
+    }
+
+    /// Why rank `from` may not connect from `ip`, if it may not.
+    fn refuses(&self, from: u32, ip: IpAddr) -> Option<String> {
+        let Admission::Peers { by_rank, .. } = self else { return None };
+        let theirs = by_rank.get(&from)?;
+        (!theirs.contains(&ip)).then(|| {
+            format!("rank {from} connected from {ip}, which is not one of the addresses it published {theirs:?}")
+        })
+    }
+}
+
+/// Connections that went away without a hello, and who is waiting now: for the error that says
+/// why a peer is missing.
+#[derive(Default)]
+struct HalfOpen {
+    /// Still open without a complete hello, by accept thread key.
+    open: HashMap<usize, SocketAddr>,
+    /// Closed at their hello deadline with nothing (or too little) sent.
+    timed_out: usize,
+    /// Closed because `MAX_WAITING` were waiting.
+    evicted: usize,
+    /// Closed because their address is not a peer's.
+    strangers: usize,
+    recent: VecDeque<SocketAddr>,
+    recent_strangers: VecDeque<SocketAddr>,
+}
+
+fn remember(list: &mut VecDeque<SocketAddr>, addr: SocketAddr) {
+    if list.len() == NAMED_ADDRS {
+        list.pop_front();
+    }
+    list.push_back(addr);
+}
+
+fn named(list: impl IntoIterator<Item = SocketAddr>) -> String {
+    list.into_iter().take(NAMED_ADDRS).map(|a| a.to_string()).collect::<Vec<_>>().join(", ")
+}
+
+impl HalfOpen {
+    /// "" when there is nothing to say.
+    fn describe(&self, hello_timeout: Duration) -> String {
+        let mut parts = Vec::new();
+        if !self.open.is_empty() {
+            parts.push(format!(
+                "{} connection(s) open that sent no hello yet (from {})",
+                self.open.len(),
+                named(self.open.values().copied())
+            ));
+        }
+        let closed = self.timed_out + self.evicted;
+        if closed > 0 {
+            let evicted = if self.evicted > 0 {
+                format!(", {} of them closed early because {MAX_WAITING} were waiting", self.evicted)
+            } else {
+                String::new()
+            };
+            parts.push(format!(
+                "{closed} connection(s) closed that sent no hello within {hello_timeout:?}{evicted} (last from {})",
+                named(self.recent.iter().copied())
+            ));
+        }
+        if self.strangers > 0 {
+            parts.push(format!(
+                "{} connection(s) refused from addresses no peer published (last from {})",
+                self.strangers,
+                named(self.recent_strangers.iter().copied())
+            ));
+        }
+        parts.join("; ")
+    }
 }
 
 #[derive(Default)]
@@ -53,42 +163,92 @@ struct State {
     /// Why the last attempt claiming to be rank r was refused, for accept_from's timeout error.
     refused_rank: HashMap<u32, String>,
     last_refusal: Option<String>,
+    half_open: HalfOpen,
+    admission: Option<Admission>,
+    /// `admission` changed since the accept thread last looked.
+    admission_changed: bool,
     closed: bool,
 }
 
 impl Listener {
-    /// Listens on all addresses, ephemeral port. `expect.from` is ignored.
+    /// Listens on all addresses, ephemeral port, admitting anyone. `expect.from` is ignored.
+    #[cfg(test)]
     pub fn bind(expect: Hello) -> Result<Listener, PlaitError> {
         Listener::bind_with(expect, 0, HANDSHAKE_TIMEOUT)
     }
 
-    /// As `bind`, with an explicit port (0 = ephemeral) and handshake timeout.
-    pub fn bind_with(expect: Hello, port: u16, handshake_timeout: Duration) -> Result<Listener, PlaitError> {
+    /// As `bind`, with an explicit port (0 = ephemeral) and hello deadline.
+    #[cfg(test)]
+    pub fn bind_with(expect: Hello, port: u16, hello_timeout: Duration) -> Result<Listener, PlaitError> {
+        Listener::bind_on(expect, None, port, hello_timeout, false)
+    }
+
+    /// Listens on `addrs` (None: every address, dual-stack) at one port (0 = ephemeral). With
+    /// `screened`, connections are held unread until `admit` says who may connect.
+    pub fn bind_on(
+        expect: Hello,
+        addrs: Option<&[IpAddr]>,
+        port: u16,
+        hello_timeout: Duration,
+        screened: bool,
+    ) -> Result<Listener, PlaitError> {
         if expect.to >= expect.world {
             return Err(PlaitError::invalid(format!(
                 "listener rank {} out of range for world size {}",
                 expect.to, expect.world
             )));
         }
-        let listener = bind_any(port).map_err(|e| PlaitError::Io(format!("cannot listen on port {port}: {e}")))?;
-        let port = listener.local_addr().map_err(PlaitError::from)?.port();
+        let sockets = match addrs {
+            None => vec![bind_any(port).map_err(|e| PlaitError::Io(format!("cannot listen on port {port}: {e}")))?],
+            Some(addrs) => bind_each(addrs, port)?,
+        };
+        let bound: Vec<SocketAddr> = sockets.iter().filter_map(|s| s.local_addr().ok()).collect();
+        let port = bound.first().map(|a| a.port()).ok_or_else(|| PlaitError::Io("no listening socket".into()))?;
+        let admission = if screened { Admission::Awaiting } else { Admission::Open };
         let shared = Arc::new(Shared {
             expect,
-            handshake_timeout,
+            hello_timeout,
             stop: AtomicBool::new(false),
-            state: Mutex::new(State::default()),
+            poller: Poller::new().map_err(|e| PlaitError::Io(format!("cannot create a poller: {e}")))?,
+            handshakes: AtomicUsize::new(0),
+            state: Mutex::new(State { admission: Some(admission), ..State::default() }),
             cv: Condvar::new(),
         });
         let s2 = shared.clone();
         let thread = std::thread::Builder::new()
             .name(format!("plait-accept-{port}"))
-            .spawn(move || accept_loop(listener, s2))
+            .spawn(move || Acceptor::new(sockets, s2).run())
             .map_err(|e| PlaitError::Io(format!("cannot start accept thread: {e}")))?;
-        Ok(Listener { shared, port, thread: Mutex::new(Some(thread)) })
+        Ok(Listener { shared, port, addrs: bound, thread: Mutex::new(Some(thread)) })
     }
 
     pub fn port(&self) -> u16 {
         self.port
+    }
+
+    /// The addresses listened on (an unspecified address: all of them).
+    pub fn local_addrs(&self) -> &[SocketAddr] {
+        &self.addrs
+    }
+
+    /// Only these ranks, each from the addresses it published, may connect from now on; the
+    /// connections held so far from other addresses are closed unread. A rank that published no
+    /// address (its system would not list them) may connect from anywhere.
+    pub fn admit(&self, peers: &[(u32, Vec<IpAddr>)]) {
+        let open = peers.iter().any(|(_, addrs)| addrs.is_empty());
+        let admission = if open {
+            Admission::Open
+        } else {
+            let any = peers.iter().flat_map(|(_, a)| a.iter().map(|ip| ip.to_canonical())).collect();
+            let by_rank = peers.iter().map(|(r, a)| (*r, a.iter().map(|ip| ip.to_canonical()).collect())).collect();
+            Admission::Peers { by_rank, any }
+        };
+        {
+            let mut st = self.shared.state.lock();
+            st.admission = Some(admission);
+            st.admission_changed = true;
+        }
+        let _ = self.shared.poller.notify();
     }
 
     /// Waits for the accepted connection from rank `from` (any order of arrival) until `deadline`.
@@ -135,6 +295,10 @@ impl Listener {
                 } else if let Some(why) = &st.last_refusal {
                     waiting_on.push_str(&format!("; last refused connection: {why}"));
                 }
+                let half_open = st.half_open.describe(self.shared.hello_timeout);
+                if !half_open.is_empty() {
+                    waiting_on.push_str(&format!("; {half_open}"));
+                }
                 return Err(PlaitError::Timeout { op: "connect".into(), waiting_on, waited: start.elapsed() });
             }
             self.shared.cv.wait_until(&mut st, deadline);
@@ -154,6 +318,7 @@ impl Listener {
             st.ready.clear();
         }
         self.shared.cv.notify_all();
+        let _ = self.shared.poller.notify();
         if let Some(h) = self.thread.lock().take() {
             let _ = h.join();
         }
@@ -166,44 +331,298 @@ impl Drop for Listener {
     }
 }
 
+fn listen_socket(addr: SocketAddr) -> io::Result<TcpListener> {
+    let s = Socket::new(Domain::for_address(addr), Type::STREAM, Some(Protocol::TCP))?;
+    if addr.is_ipv6() {
+        // Dual-stack only for the unspecified address; a specific IPv6 address is just that.
+        s.set_only_v6(!addr.ip().is_unspecified())?;
+    }
+    // Lets a fixed port be reused while old connections sit in TIME_WAIT. Not on Windows,
+    // where it would let two listeners share the port.
+    #[cfg(not(windows))]
+    s.set_reuse_address(true)?;
+    s.bind(&addr.into())?;
+    s.listen(128)?;
+    s.set_nonblocking(true)?;
+    Ok(s.into())
+}
+
 /// Dual-stack [::] so IPv6 routes work too; plain 0.0.0.0 where IPv6 is unavailable.
 fn bind_any(port: u16) -> io::Result<TcpListener> {
     let v6 = SocketAddr::new(IpAddr::V6(Ipv6Addr::UNSPECIFIED), port);
     let v4 = SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), port);
-    let try_bind = |addr: SocketAddr| -> io::Result<TcpListener> {
-        let s = Socket::new(Domain::for_address(addr), Type::STREAM, Some(Protocol::TCP))?;
-        if addr.is_ipv6() {
-            s.set_only_v6(false)?;
-        }
-        // Lets a fixed port be reused while old connections sit in TIME_WAIT. Not on Windows,
-        // where it would let two listeners share the port.
-        #[cfg(not(windows))]
-        s.set_reuse_address(true)?;
-        s.bind(&addr.into())?;
-        s.listen(128)?;
-        s.set_nonblocking(true)?;
-        Ok(s.into())
-    };
-    try_bind(v6).or_else(|_| try_bind(v4))
+    listen_socket(v6).or_else(|_| listen_socket(v4))
 }
 
-fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
-    let mut last_error_log: Option<Instant> = None;
-    while !shared.stop.load(Ordering::SeqCst) {
-        match listener.accept() {
-            Ok((s, addr)) => start_handshake(s, canonical(addr), &shared),
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => std::thread::sleep(ACCEPT_POLL),
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) => {
-                // E.g. EMFILE: keep trying, but do not flood the log.
-                if last_error_log.is_none_or(|t| t.elapsed() > Duration::from_secs(5)) {
-                    tracing::warn!("accept on port {} failed: {e}", listener.local_addr().map(|a| a.port()).unwrap_or(0));
-                    last_error_log = Some(Instant::now());
+/// One socket per address, all on one port (the one a rank publishes): the first address picks
+/// it (or `port`), the others take the same, and a port taken on a later address starts over
+/// with a new one. An address that cannot be bound at all (gone since it was listed) is skipped
+/// with a warning; none at all is an error.
+fn bind_each(addrs: &[IpAddr], port: u16) -> Result<Vec<TcpListener>, PlaitError> {
+    let mut last = String::from("no address to listen on");
+    for _ in 0..BIND_ATTEMPTS {
+        let mut sockets: Vec<TcpListener> = Vec::new();
+        let mut chosen = port;
+        let mut retry = false;
+        for &ip in addrs {
+            match listen_socket(SocketAddr::new(ip, chosen)) {
+                Ok(s) => {
+                    chosen = s.local_addr().map(|a| a.port()).unwrap_or(chosen);
+                    sockets.push(s);
                 }
-                std::thread::sleep(ACCEPT_POLL);
+                Err(e) if e.kind() == io::ErrorKind::AddrInUse && port == 0 && !sockets.is_empty() => {
+                    last = format!("port {chosen} is taken on {ip}");
+                    retry = true;
+                    break;
+                }
+                Err(e) => {
+                    tracing::warn!("cannot listen on {ip} port {chosen}: {e}; peers cannot reach this rank there");
+                    last = format!("{ip} port {chosen}: {e}");
+                }
+            }
+        }
+        if !retry && !sockets.is_empty() {
+            return Ok(sockets);
+        }
+        if !retry {
+            break;
+        }
+    }
+    Err(PlaitError::Io(format!("cannot listen on any of {addrs:?}: {last}")))
+}
+
+/// A connection that has not sent anything yet.
+struct Waiting {
+    stream: TcpStream,
+    addr: SocketAddr,
+    /// The hello and handshake must be done by then.
+    deadline: Instant,
+}
+
+/// The accept thread: listening sockets and silent connections in one poller (keys below
+/// `listeners.len()` are listening sockets), connections with bytes to read queued for a
+/// handshake thread.
+struct Acceptor {
+    listeners: Vec<TcpListener>,
+    shared: Arc<Shared>,
+    /// Registered in the poller, by key.
+    watched: HashMap<usize, Waiting>,
+    /// Accepted before `admit`: not registered, not read.
+    held: VecDeque<(usize, Waiting)>,
+    /// Readable, waiting for a handshake thread.
+    queued: VecDeque<(usize, Waiting)>,
+    next_key: usize,
+    last_error_log: Option<Instant>,
+}
+
+impl Acceptor {
+    fn new(listeners: Vec<TcpListener>, shared: Arc<Shared>) -> Acceptor {
+        let next_key = listeners.len();
+        Acceptor {
+            listeners,
+            shared,
+            watched: HashMap::new(),
+            held: VecDeque::new(),
+            queued: VecDeque::new(),
+            next_key,
+            last_error_log: None,
+        }
+    }
+
+    fn run(mut self) {
+        for (key, l) in self.listeners.iter().enumerate() {
+            // SAFETY: every listening socket is deleted from the poller before it closes (below).
+            if let Err(e) = unsafe { self.shared.poller.add_with_mode(l, Event::readable(key), PollMode::Level) } {
+                tracing::warn!("cannot watch listening socket: {e}");
+            }
+        }
+        let mut events = Events::new();
+        while !self.shared.stop.load(Ordering::SeqCst) {
+            events.clear();
+            let timeout = self.next_deadline().map(|d| d.saturating_duration_since(Instant::now()));
+            if let Err(e) = self.shared.poller.wait(&mut events, timeout) {
+                if e.kind() != io::ErrorKind::Interrupted {
+                    tracing::warn!("listener poll failed: {e}");
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+            }
+            for ev in events.iter() {
+                if ev.key < self.listeners.len() {
+                    self.accept_all(ev.key);
+                } else if let Some(w) = self.watched.remove(&ev.key) {
+                    let _ = self.shared.poller.delete(&w.stream);
+                    self.queued.push_back((ev.key, w));
+                }
+            }
+            self.apply_admission();
+            self.expire();
+            self.dispatch();
+        }
+        for l in &self.listeners {
+            let _ = self.shared.poller.delete(l);
+        }
+        for w in self.watched.values() {
+            let _ = self.shared.poller.delete(&w.stream);
+        }
+    }
+
+    fn next_deadline(&self) -> Option<Instant> {
+        let watched = self.watched.values().map(|w| w.deadline);
+        let queued = self.queued.iter().map(|(_, w)| w.deadline);
+        watched.chain(queued).min()
+    }
+
+    fn accept_all(&mut self, key: usize) {
+        loop {
+            match self.listeners[key].accept() {
+                Ok((s, addr)) => self.admit_one(s, canonical(addr)),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => {
+                    // E.g. EMFILE: keep trying, but do not flood the log (nor spin: the socket
+                    // stays readable).
+                    if self.last_error_log.is_none_or(|t| t.elapsed() > Duration::from_secs(5)) {
+                        tracing::warn!("accept on port {} failed: {e}", self.listeners[key].local_addr().map(|a| a.port()).unwrap_or(0));
+                        self.last_error_log = Some(Instant::now());
+                    }
+                    std::thread::sleep(Duration::from_millis(20));
+                    return;
+                }
             }
         }
     }
+
+    /// A new connection: closed at once from a stranger's address, else held or watched.
+    fn admit_one(&mut self, stream: TcpStream, addr: SocketAddr) {
+        let awaiting = {
+            let mut st = self.shared.state.lock();
+            let admission = st.admission.as_ref().expect("set at bind");
+            if st.closed {
+                return;
+            }
+            if !admission.allows(addr.ip()) {
+                refuse_stranger(&mut st, addr);
+                return;
+            }
+            matches!(admission, Admission::Awaiting)
+        };
+        if stream.set_nonblocking(true).is_err() {
+            return;
+        }
+        if self.watched.len() + self.held.len() >= MAX_WAITING {
+            self.evict_oldest();
+        }
+        let key = self.next_key;
+        self.next_key += 1;
+        let w = Waiting { stream, addr, deadline: Instant::now() + self.shared.hello_timeout };
+        self.shared.state.lock().half_open.open.insert(key, addr);
+        if awaiting {
+            self.held.push_back((key, w));
+        } else {
+            self.watch(key, w);
+        }
+    }
+
+    fn watch(&mut self, key: usize, w: Waiting) {
+        // SAFETY: deleted from the poller before the stream is dropped (`run`, `expire`,
+        // `evict_oldest`, or on its event).
+        match unsafe { self.shared.poller.add(&w.stream, Event::readable(key)) } {
+            Ok(()) => {
+                self.watched.insert(key, w);
+            }
+            // Cannot wait for it: let a handshake thread read it, bounded by its deadline.
+            Err(_) => self.queued.push_back((key, w)),
+        }
+    }
+
+    fn evict_oldest(&mut self) {
+        let oldest_watched = self.watched.iter().min_by_key(|(_, w)| w.deadline).map(|(k, _)| *k);
+        let victim = match self.held.pop_front() {
+            Some((key, w)) => Some((key, w)),
+            None => oldest_watched.and_then(|k| self.watched.remove(&k).map(|w| (k, w))),
+        };
+        if let Some((key, w)) = victim {
+            let _ = self.shared.poller.delete(&w.stream);
+            let mut st = self.shared.state.lock();
+            st.half_open.open.remove(&key);
+            st.half_open.evicted += 1;
+            remember(&mut st.half_open.recent, w.addr);
+        }
+    }
+
+    /// After `admit`: held connections from strangers are closed, the others watched, with
+    /// their hello deadline counted from now (the wait so far was this rank's).
+    fn apply_admission(&mut self) {
+        let held: Vec<(usize, Waiting)> = {
+            let mut st = self.shared.state.lock();
+            if !std::mem::take(&mut st.admission_changed) {
+                return;
+            }
+            let admission = st.admission.take().expect("set at bind");
+            let mut keep = Vec::new();
+            for (key, w) in self.held.drain(..) {
+                if admission.allows(w.addr.ip()) {
+                    keep.push((key, w));
+                } else {
+                    st.half_open.open.remove(&key);
+                    refuse_stranger(&mut st, w.addr);
+                }
+            }
+            st.admission = Some(admission);
+            keep
+        };
+        for (key, mut w) in held {
+            w.deadline = Instant::now() + self.shared.hello_timeout;
+            self.watch(key, w);
+        }
+    }
+
+    /// Closes connections whose hello deadline passed with nothing to read.
+    fn expire(&mut self) {
+        let now = Instant::now();
+        let late: Vec<usize> = self.watched.iter().filter(|(_, w)| w.deadline <= now).map(|(k, _)| *k).collect();
+        let mut late_queued = Vec::new();
+        self.queued.retain(|(k, w)| {
+            let keep = w.deadline > now;
+            if !keep {
+                late_queued.push((*k, w.addr));
+            }
+            keep
+        });
+        if late.is_empty() && late_queued.is_empty() {
+            return;
+        }
+        let mut st = self.shared.state.lock();
+        for key in late {
+            let w = self.watched.remove(&key).expect("listed above");
+            let _ = self.shared.poller.delete(&w.stream);
+            tracing::warn!(remote = %w.addr, "closed a connection that sent no hello within {:?}", self.shared.hello_timeout);
+            st.half_open.open.remove(&key);
+            st.half_open.timed_out += 1;
+            remember(&mut st.half_open.recent, w.addr);
+        }
+        for (key, addr) in late_queued {
+            st.half_open.open.remove(&key);
+            st.half_open.timed_out += 1;
+            remember(&mut st.half_open.recent, addr);
+        }
+    }
+
+    /// Starts handshake threads for queued connections while there are free slots; a thread
+    /// ending wakes the poller to start the next.
+    fn dispatch(&mut self) {
+        while self.shared.handshakes.load(Ordering::SeqCst) < MAX_HANDSHAKE_THREADS {
+            let Some((key, w)) = self.queued.pop_front() else { return };
+            self.shared.state.lock().half_open.open.remove(&key);
+            start_handshake(w, &self.shared);
+        }
+    }
+}
+
+fn refuse_stranger(st: &mut State, addr: SocketAddr) {
+    tracing::warn!(remote = %addr, "closed a connection from an address no peer published");
+    st.half_open.strangers += 1;
+    remember(&mut st.half_open.recent_strangers, addr);
 }
 
 /// IPv4 peers of a dual-stack socket appear as ::ffff:a.b.c.d; show them as a.b.c.d.
@@ -217,8 +636,9 @@ fn canonical(addr: SocketAddr) -> SocketAddr {
     }
 }
 
-fn start_handshake(s: TcpStream, addr: SocketAddr, shared: &Arc<Shared>) {
-    // Accepted sockets inherit non-blocking mode on some platforms (BSD, macOS).
+fn start_handshake(w: Waiting, shared: &Arc<Shared>) {
+    let Waiting { stream: s, addr, deadline } = w;
+    // The handshake reads with timeouts on a blocking socket.
     if s.set_nonblocking(false).is_err() {
         return;
     }
@@ -227,42 +647,47 @@ fn start_handshake(s: TcpStream, addr: SocketAddr, shared: &Arc<Shared>) {
         if st.closed {
             return;
         }
-        if st.pending.len() >= MAX_PENDING_HANDSHAKES {
-            tracing::warn!(remote = %addr, "dropping connection: {MAX_PENDING_HANDSHAKES} handshakes already in progress");
-            return;
-        }
         let Ok(clone) = s.try_clone() else { return };
         let id = st.next_pending;
         st.next_pending += 1;
         st.pending.insert(id, clone);
         id
     };
+    shared.handshakes.fetch_add(1, Ordering::SeqCst);
     let sh = shared.clone();
-    let spawned = std::thread::Builder::new()
-        .name("plait-handshake".into())
-        .spawn(move || {
-            handshake(s, addr, id, &sh);
-            sh.state.lock().pending.remove(&id);
-        });
+    let spawned = std::thread::Builder::new().name("plait-handshake".into()).spawn(move || {
+        handshake(s, addr, id, deadline, &sh);
+        sh.state.lock().pending.remove(&id);
+        sh.handshakes.fetch_sub(1, Ordering::SeqCst);
+        let _ = sh.poller.notify();
+    });
     if let Err(e) = spawned {
         tracing::warn!(remote = %addr, "dropping connection: cannot start handshake thread: {e}");
         shared.state.lock().pending.remove(&id);
+        shared.handshakes.fetch_sub(1, Ordering::SeqCst);
     }
 }
 
-fn handshake(mut s: TcpStream, addr: SocketAddr, id: u64, shared: &Shared) {
-    let deadline = Instant::now() + shared.handshake_timeout;
-    let _ = s.set_write_timeout(Some(shared.handshake_timeout.max(Duration::from_millis(1))));
+fn handshake(mut s: TcpStream, addr: SocketAddr, id: u64, deadline: Instant, shared: &Shared) {
+    let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
+    let _ = s.set_write_timeout(Some(left));
     let hello = match read_hello(&mut s, deadline) {
         Ok(h) => h,
         Err(HsFail::Refuse(why)) => return refuse(s, addr, None, why, shared),
         Err(HsFail::Io(why)) => {
             tracing::warn!(remote = %addr, "handshake failed: {why}");
-            shared.state.lock().last_refusal = Some(format!("{addr}: {why}"));
+            let mut st = shared.state.lock();
+            st.last_refusal = Some(format!("{addr}: {why}"));
+            if why.starts_with(NO_HELLO) {
+                st.half_open.timed_out += 1;
+                remember(&mut st.half_open.recent, addr);
+            }
             return;
         }
     };
-    if let Some(why) = check_hello(&hello, &shared.expect) {
+    let refused = check_hello(&hello, &shared.expect)
+        .or_else(|| shared.state.lock().admission.as_ref().and_then(|a| a.refuses(hello.from, addr.ip())));
+    if let Some(why) = refused {
         return refuse(s, addr, Some(hello.from), why, shared);
     }
     let key = (hello.from, hello.lane);
@@ -472,6 +897,36 @@ mod tests {
             assert!(t.elapsed() < Duration::from_secs(2));
         }
         drop(junk);
+    }
+
+    #[test]
+    fn hundreds_of_silent_connections_do_not_block_a_valid_peer() {
+        let l = Listener::bind_with(hello("g", 3, 0, 0, 2), 0, Duration::from_secs(20)).unwrap();
+        let p = l.port();
+        let silent: Vec<TcpStream> = (0..200).map(|_| TcpStream::connect(("127.0.0.1", p)).unwrap()).collect();
+        std::thread::sleep(Duration::from_millis(200));
+        let t0 = Instant::now();
+        let c = std::thread::spawn(move || connect(&lo_route(), p, &hello("g", 3, 1, 0, 2), soon(3000)));
+        let accepted = l.accept_from(1, soon(3000));
+        let connected = c.join().unwrap();
+        assert!(accepted.is_ok() && connected.is_ok(), "{accepted:?} {connected:?}");
+        assert!(t0.elapsed() < Duration::from_secs(1), "valid peer delayed {:?}", t0.elapsed());
+        drop(silent);
+    }
+
+    #[test]
+    fn a_timeout_names_the_connections_that_sent_no_hello() {
+        let l = Listener::bind_with(hello("g", 3, 0, 0, 3), 0, Duration::from_millis(300)).unwrap();
+        let p = l.port();
+        let silent: Vec<TcpStream> = (0..3).map(|_| TcpStream::connect(("127.0.0.1", p)).unwrap()).collect();
+        let from = silent[0].local_addr().unwrap();
+        let e = l.accept_from(2, soon(1000)).unwrap_err().to_string();
+        assert!(e.contains("3 connection(s)") && e.contains("no hello") && e.contains(&from.to_string()), "{e}");
+        // Still open ones are named as such.
+        let l = Listener::bind_with(hello("g", 3, 0, 0, 3), 0, Duration::from_secs(20)).unwrap();
+        let _silent: Vec<TcpStream> = (0..2).map(|_| TcpStream::connect(("127.0.0.1", l.port())).unwrap()).collect();
+        let e = l.accept_from(2, soon(300)).unwrap_err().to_string();
+        assert!(e.contains("2 connection(s) open") && e.contains("no hello yet"), "{e}");
     }
 
     #[test]
