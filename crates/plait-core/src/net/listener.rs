@@ -930,6 +930,60 @@ mod tests {
     }
 
     #[test]
+    fn a_listener_on_chosen_addresses_is_not_reachable_on_others() {
+        let lo: IpAddr = "127.0.0.1".parse().unwrap();
+        let l = Listener::bind_on(hello("g", 1, 0, 0, 2), Some(&[lo]), 0, HANDSHAKE_TIMEOUT, false).unwrap();
+        assert_eq!(l.local_addrs(), [SocketAddr::new(lo, l.port())]);
+        // 127.0.0.2 is this host too (Linux, Windows), but nobody listens there.
+        let other = SocketAddr::from(([127, 0, 0, 2], l.port()));
+        assert!(TcpStream::connect_timeout(&other, Duration::from_secs(2)).is_err());
+        let c = std::thread::spawn({
+            let p = l.port();
+            move || connect(&lo_route(), p, &hello("g", 1, 1, 0, 2), soon(3000))
+        });
+        l.accept_from(1, soon(3000)).unwrap();
+        c.join().unwrap().unwrap();
+    }
+
+    #[test]
+    fn connections_from_addresses_no_peer_published_are_closed_unread() {
+        let l = Listener::bind_on(hello("g", 1, 0, 0, 3), None, 0, HANDSHAKE_TIMEOUT, true).unwrap();
+        let p = l.port();
+        // Held unread until the peers are known: this one comes from 127.0.0.1, which no peer has.
+        let mut early = TcpStream::connect(("127.0.0.1", p)).unwrap();
+        early.write_all(&hello("g", 1, 1, 0, 3).encode()).unwrap();
+        std::thread::sleep(Duration::from_millis(100));
+        let far = |last: u8| vec!["10.255.0.0".parse::<IpAddr>().unwrap(), IpAddr::from([10, 255, 0, last])];
+        l.admit(&[(1, far(1)), (2, far(2))]);
+        early.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
+        let mut got = Vec::new();
+        let end = early.read_to_end(&mut got);
+        assert!(got.is_empty(), "a stranger was answered: {:?}", String::from_utf8_lossy(&got));
+        assert!(end.is_ok() || end.as_ref().is_err_and(|e| e.kind() == io::ErrorKind::ConnectionReset), "{end:?}");
+        // Later ones are closed at accept, and the timeout names them.
+        let mut late = TcpStream::connect(("127.0.0.1", p)).unwrap();
+        let _ = late.write_all(&hello("g", 1, 1, 0, 3).encode());
+        late.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
+        let mut got = Vec::new();
+        let _ = late.read_to_end(&mut got);
+        assert!(got.is_empty());
+        let e = l.accept_from(1, soon(100)).unwrap_err().to_string();
+        assert!(e.contains("2 connection(s) refused from addresses no peer published") && e.contains("127.0.0.1:"), "{e}");
+
+        // Each rank only from its own addresses.
+        let l = Listener::bind_on(hello("g", 1, 0, 0, 3), None, 0, HANDSHAKE_TIMEOUT, true).unwrap();
+        l.admit(&[(1, vec!["127.0.0.1".parse().unwrap()]), (2, far(2))]);
+        let e = connect(&lo_route(), l.port(), &hello("g", 1, 2, 0, 3), soon(2000)).unwrap_err().to_string();
+        assert!(e.contains("rank 2 connected from 127.0.0.1") && e.contains("not one of the addresses it published"), "{e}");
+        let c = std::thread::spawn({
+            let p = l.port();
+            move || connect(&lo_route(), p, &hello("g", 1, 1, 0, 3), soon(3000))
+        });
+        l.accept_from(1, soon(3000)).unwrap();
+        c.join().unwrap().unwrap();
+    }
+
+    #[test]
     fn accept_from_times_out_naming_the_rank() {
         let l = Listener::bind(hello("g", 5, 0, 1, 4)).unwrap();
         let t = Instant::now();
