@@ -112,24 +112,40 @@ def test_startup_timeout_names_half_open_connections():
         _close(results)
 
 
-def _store_server():
-    """A KVServer in a process of its own (so that it can be stopped); returns (process, port)."""
-    code = ("import sys, time; sys.path.insert(0, sys.argv[1]); from kvstore import KVServer; s = KVServer(); "
-            "print(s.port, flush=True); time.sleep(600)")
-    p = subprocess.Popen([sys.executable, "-c", code, str(HERE)], stdout=subprocess.PIPE, text=True,
-                         start_new_session=True)
-    return p, int(p.stdout.readline())
+def _store_server(kind):
+    """A store server in a process of its own (so that it can be stopped) and a client maker."""
+    if kind == "kv":
+        code = ("import sys, time; sys.path.insert(0, sys.argv[1]); from kvstore import KVServer; s = KVServer(); "
+                "print(s.port, flush=True); time.sleep(600)")
+    else:
+        code = ("import datetime, sys, time; sys.path.insert(0, sys.argv[1]); from plait._store import tcp_store; "
+                "s = tcp_store('127.0.0.1', 0, None, True, timeout=datetime.timedelta(seconds=60), "
+                "wait_for_workers=False); print(s.port, flush=True); time.sleep(600)")
+    p = subprocess.Popen([sys.executable, "-c", code, str(HERE) if kind == "kv" else str(HERE.parent / "python")],
+                         stdout=subprocess.PIPE, text=True, start_new_session=True)
+    port = int(p.stdout.readline())
+    if kind == "kv":
+        return p, lambda: KVClient(port)
+    import datetime
+
+    from plait._store import tcp_store
+    return p, lambda: tcp_store("127.0.0.1", port, None, False, timeout=datetime.timedelta(seconds=60))
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="SIGSTOP")
-def test_a_store_that_stops_answering_fails_startup_within_its_deadline():
+@pytest.mark.parametrize("kind", ["kv", "torch"])
+def test_a_store_that_stops_answering_fails_startup_within_its_deadline(kind):
     """The store server stops (SIGSTOP) while ranks wait in it: start-up fails by its deadline,
-    naming the store and the wait, instead of hanging in the store client."""
-    server, port = _store_server()
+    naming the store and the wait, instead of hanging in the store client (torch's TCPStore
+    client waits for good)."""
+    if kind == "torch":
+        pytest.importorskip("torch.distributed")
+    server, client = _store_server(kind)
     timeout = 4.0
     try:
         # Rank 2 never comes, so ranks 0 and 1 are waiting in the store when it stops.
-        results, threads = _start(lambda r: KVClient(port), [0, 1], lambda r: 3, timeout=timeout)
+        stores = {r: client() for r in (0, 1)}
+        results, threads = _start(lambda r: stores[r], [0, 1], lambda r: 3, timeout=timeout)
         time.sleep(1.0)
         os.kill(server.pid, signal.SIGSTOP)
         hung = _join(threads, timeout + 10)
