@@ -8,15 +8,16 @@
 //! holds connections unread until `admit` names the expected peers, then closes every connection
 //! from another address before reading a byte of it.
 
+use super::admission::{remember, Admission, HalfOpen};
+use super::bind::{bind_any, bind_each};
 use super::handshake::{check_hello, read_hello, write_reply, Hello, HsFail};
 use super::tuning::tune_stream;
 use crate::error::PlaitError;
 use parking_lot::{Condvar, Mutex};
 use polling::{Event, Events, PollMode, Poller};
-use socket2::{Domain, Protocol, Socket, Type};
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::io;
-use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::net::{IpAddr, Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -33,12 +34,8 @@ const MAX_HANDSHAKE_THREADS: usize = 64;
 /// a flood costs a bounded number of sockets and a real peer, which sends its hello at once, is
 /// not the one evicted.
 const MAX_WAITING: usize = 1024;
-/// Addresses kept for the error that names half-open connections.
-const NAMED_ADDRS: usize = 8;
 /// How `read_hello` says its deadline passed (kept apart from resets and refusals).
 const NO_HELLO: &str = "no complete hello";
-/// Attempts to find one port free on every address to bind.
-const BIND_ATTEMPTS: usize = 16;
 
 /// Listening sockets (one per bound address, one port) plus an accept thread; see the module doc.
 pub struct Listener {
@@ -57,96 +54,6 @@ struct Shared {
     handshakes: AtomicUsize,
     state: Mutex<State>,
     cv: Condvar,
-}
-
-/// Who may connect.
-enum Admission {
-    /// Anyone who sends a valid hello.
-    Open,
-    /// Not known yet: connections are held unread until `admit`.
-    Awaiting,
-    /// Only the addresses the peers published, each rank from its own.
-    Peers { by_rank: HashMap<u32, Vec<IpAddr>>, any: HashSet<IpAddr> },
-}
-
-impl Admission {
-    /// Whether a connection from `ip` may be read at all.
-    fn allows(&self, ip: IpAddr) -> bool {
-        match self {
-            Admission::Open | Admission::Awaiting => true,
-            Admission::Peers { any, .. } => any.contains(&ip),
-        }
-    }
-
-    /// Why rank `from` may not connect from `ip`, if it may not.
-    fn refuses(&self, from: u32, ip: IpAddr) -> Option<String> {
-        let Admission::Peers { by_rank, .. } = self else { return None };
-        let theirs = by_rank.get(&from)?;
-        (!theirs.contains(&ip)).then(|| {
-            format!("rank {from} connected from {ip}, which is not one of the addresses it published {theirs:?}")
-        })
-    }
-}
-
-/// Connections that went away without a hello, and who is waiting now: for the error that says
-/// why a peer is missing.
-#[derive(Default)]
-struct HalfOpen {
-    /// Still open without a complete hello, by accept thread key.
-    open: HashMap<usize, SocketAddr>,
-    /// Closed at their hello deadline with nothing (or too little) sent.
-    timed_out: usize,
-    /// Closed because `MAX_WAITING` were waiting.
-    evicted: usize,
-    /// Closed because their address is not a peer's.
-    strangers: usize,
-    recent: VecDeque<SocketAddr>,
-    recent_strangers: VecDeque<SocketAddr>,
-}
-
-fn remember(list: &mut VecDeque<SocketAddr>, addr: SocketAddr) {
-    if list.len() == NAMED_ADDRS {
-        list.pop_front();
-    }
-    list.push_back(addr);
-}
-
-fn named(list: impl IntoIterator<Item = SocketAddr>) -> String {
-    list.into_iter().take(NAMED_ADDRS).map(|a| a.to_string()).collect::<Vec<_>>().join(", ")
-}
-
-impl HalfOpen {
-    /// "" when there is nothing to say.
-    fn describe(&self, hello_timeout: Duration) -> String {
-        let mut parts = Vec::new();
-        if !self.open.is_empty() {
-            parts.push(format!(
-                "{} connection(s) open that sent no hello yet (from {})",
-                self.open.len(),
-                named(self.open.values().copied())
-            ));
-        }
-        let closed = self.timed_out + self.evicted;
-        if closed > 0 {
-            let evicted = if self.evicted > 0 {
-                format!(", {} of them closed early because {MAX_WAITING} were waiting", self.evicted)
-            } else {
-                String::new()
-            };
-            parts.push(format!(
-                "{closed} connection(s) closed that sent no hello within {hello_timeout:?}{evicted} (last from {})",
-                named(self.recent.iter().copied())
-            ));
-        }
-        if self.strangers > 0 {
-            parts.push(format!(
-                "{} connection(s) refused from addresses no peer published (last from {})",
-                self.strangers,
-                named(self.recent_strangers.iter().copied())
-            ));
-        }
-        parts.join("; ")
-    }
 }
 
 #[derive(Default)]
@@ -295,7 +202,7 @@ impl Listener {
                 } else if let Some(why) = &st.last_refusal {
                     waiting_on.push_str(&format!("; last refused connection: {why}"));
                 }
-                let half_open = st.half_open.describe(self.shared.hello_timeout);
+                let half_open = st.half_open.describe(self.shared.hello_timeout, MAX_WAITING);
                 if !half_open.is_empty() {
                     waiting_on.push_str(&format!("; {half_open}"));
                 }
@@ -329,66 +236,6 @@ impl Drop for Listener {
     fn drop(&mut self) {
         self.close();
     }
-}
-
-fn listen_socket(addr: SocketAddr) -> io::Result<TcpListener> {
-    let s = Socket::new(Domain::for_address(addr), Type::STREAM, Some(Protocol::TCP))?;
-    if addr.is_ipv6() {
-        // Dual-stack only for the unspecified address; a specific IPv6 address is just that.
-        s.set_only_v6(!addr.ip().is_unspecified())?;
-    }
-    // Lets a fixed port be reused while old connections sit in TIME_WAIT. Not on Windows,
-    // where it would let two listeners share the port.
-    #[cfg(not(windows))]
-    s.set_reuse_address(true)?;
-    s.bind(&addr.into())?;
-    s.listen(128)?;
-    s.set_nonblocking(true)?;
-    Ok(s.into())
-}
-
-/// Dual-stack [::] so IPv6 routes work too; plain 0.0.0.0 where IPv6 is unavailable.
-fn bind_any(port: u16) -> io::Result<TcpListener> {
-    let v6 = SocketAddr::new(IpAddr::V6(Ipv6Addr::UNSPECIFIED), port);
-    let v4 = SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), port);
-    listen_socket(v6).or_else(|_| listen_socket(v4))
-}
-
-/// One socket per address, all on one port (the one a rank publishes): the first address picks
-/// it (or `port`), the others take the same, and a port taken on a later address starts over
-/// with a new one. An address that cannot be bound at all (gone since it was listed) is skipped
-/// with a warning; none at all is an error.
-fn bind_each(addrs: &[IpAddr], port: u16) -> Result<Vec<TcpListener>, PlaitError> {
-    let mut last = String::from("no address to listen on");
-    for _ in 0..BIND_ATTEMPTS {
-        let mut sockets: Vec<TcpListener> = Vec::new();
-        let mut chosen = port;
-        let mut retry = false;
-        for &ip in addrs {
-            match listen_socket(SocketAddr::new(ip, chosen)) {
-                Ok(s) => {
-                    chosen = s.local_addr().map(|a| a.port()).unwrap_or(chosen);
-                    sockets.push(s);
-                }
-                Err(e) if e.kind() == io::ErrorKind::AddrInUse && port == 0 && !sockets.is_empty() => {
-                    last = format!("port {chosen} is taken on {ip}");
-                    retry = true;
-                    break;
-                }
-                Err(e) => {
-                    tracing::warn!("cannot listen on {ip} port {chosen}: {e}; peers cannot reach this rank there");
-                    last = format!("{ip} port {chosen}: {e}");
-                }
-            }
-        }
-        if !retry && !sockets.is_empty() {
-            return Ok(sockets);
-        }
-        if !retry {
-            break;
-        }
-    }
-    Err(PlaitError::Io(format!("cannot listen on any of {addrs:?}: {last}")))
 }
 
 /// A connection that has not sent anything yet.

@@ -1,6 +1,8 @@
 //! Links between ranks: local interfaces, per-peer route choice, TCP connections with a
 //! handshake, and message framing.
 
+mod admission;
+mod bind;
 pub mod connect;
 pub mod frame;
 pub mod handshake;
