@@ -37,4 +37,4 @@ pub use net::iface::{list_interfaces, IfaceAddr};
 pub use platform::host::host_identity;
 pub use raw::RawBuf;
 pub use sched::{gen::algorithms, Collective};
-pub use store::{MemStore, Store};
+pub use store::{call_with_deadline, MemStore, Store};

@@ -60,25 +60,41 @@ fn invalid(msg: String) -> PyErr {
 }
 
 /// Any Python object with `set(key, bytes)`, `get(key) -> bytes` and `wait([key], timedelta)`,
-/// such as torch's TCPStore or PrefixStore.
+/// such as torch's TCPStore or PrefixStore. Each call goes through `call_with_deadline`, since a
+/// client whose server stopped answering may block past any timeout it was given.
 struct PyStore(PyObject);
 
-impl Store for PyStore {
-    fn set(&self, key: &str, value: &[u8]) -> plait_core::Result<()> {
+impl PyStore {
+    /// The Python object for a call on another thread, and its type's name for errors.
+    fn handle(&self) -> (PyObject, String) {
         Python::with_gil(|py| {
-            self.0.call_method1(py, "set", (key, PyBytes::new(py, value))).map(|_| ())
+            let name = self.0.bind(py).get_type().name().map(|n| n.to_string()).unwrap_or_else(|_| "store".into());
+            (self.0.clone_ref(py), name)
         })
-        .map_err(|e| PlaitError::Rendezvous(format!("store.set({key:?}) failed: {e}")))
+    }
+}
+
+impl Store for PyStore {
+    fn set(&self, key: &str, value: &[u8], timeout: Duration) -> plait_core::Result<()> {
+        let (store, name) = self.handle();
+        let (k, v) = (key.to_string(), value.to_vec());
+        plait_core::call_with_deadline(&name, &format!("set({key:?})"), timeout, move || {
+            Python::with_gil(|py| store.call_method1(py, "set", (&k, PyBytes::new(py, &v))).map(|_| ()))
+                .map_err(|e| PlaitError::Rendezvous(format!("store.set({k:?}) failed: {e}")))
+        })
     }
 
     fn get(&self, key: &str, timeout: Duration) -> plait_core::Result<Vec<u8>> {
-        Python::with_gil(|py| -> PyResult<Vec<u8>> {
-            let td = py.import("datetime")?.getattr("timedelta")?.call1((0, timeout.as_secs_f64().max(0.001)))?;
-            self.0.call_method1(py, "wait", (vec![key], td))?;
-            let v = self.0.call_method1(py, "get", (key,))?;
-            v.extract::<Vec<u8>>(py)
+        let (store, name) = self.handle();
+        let k = key.to_string();
+        plait_core::call_with_deadline(&name, &format!("wait([{key:?}]) and get"), timeout, move || {
+            Python::with_gil(|py| -> PyResult<Vec<u8>> {
+                let td = py.import("datetime")?.getattr("timedelta")?.call1((0, timeout.as_secs_f64().max(0.001)))?;
+                store.call_method1(py, "wait", (vec![&k], td))?;
+                store.call_method1(py, "get", (&k,))?.extract::<Vec<u8>>(py)
+            })
+            .map_err(|e| PlaitError::Rendezvous(format!("store.get({k:?}) failed: {e}")))
         })
-        .map_err(|e| PlaitError::Rendezvous(format!("store.get({key:?}) failed: {e}")))
     }
 }
 

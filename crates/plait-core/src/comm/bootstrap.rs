@@ -17,7 +17,7 @@ use crate::net::handshake::Hello;
 use crate::net::iface::{list_interfaces, IfaceAddr};
 use crate::net::listener::Listener;
 use crate::net::peer::PeerLink;
-use crate::net::route::{candidate_routes, prefer_dedicated, IfaceFilter, Route};
+use crate::net::route::{candidate_routes, listen_addrs, prefer_dedicated, IfaceFilter, Route};
 use crate::platform::host::{self, same_host};
 use crate::raw::RawBuf;
 use crate::session::{Demux, Groups, Mailbox, Session};
@@ -41,6 +41,8 @@ struct PeerInfo {
     /// must prove it holds the private half.
     #[serde(default)]
     key: String,
+    /// The world size this rank was started with: a mismatch is named at the rendezvous.
+    world: usize,
 }
 
 /// The mesh of one epoch, ready for operations.
@@ -68,6 +70,11 @@ struct Plan<'a> {
 impl Plan<'_> {
     fn left(&self) -> Duration {
         self.deadline.saturating_duration_since(Instant::now())
+    }
+
+    /// Sets `<prefix>/<key>` by the start-up deadline.
+    fn publish(&self, key: &str, value: &[u8]) -> Result<()> {
+        self.store.set(&format!("{}/{key}", self.prefix), value, self.left())
     }
 }
 
@@ -105,16 +112,30 @@ pub(crate) fn bootstrap(store: &dyn Store, cfg: &CommConfig) -> Result<Mesh> {
         auth,
         heartbeat: heartbeat(cfg.timeout),
     };
-    let listener = if size > 1 { Some(Listener::bind(plan.hello.clone(), plan.auth.clone())?) } else { None };
+    let addrs = list_interfaces();
+    let listener = if size > 1 {
+        // Only where a peer's route can end (`PLAIT_IFACE`, `PLAIT_ROUTES`), and only for the
+        // peers the rendezvous names (`admit` below).
+        let on = match &route_file {
+            Some(rf) => Some(rf.listen_addrs(rank, &addrs)),
+            None => listen_addrs(&addrs, filter.as_ref()),
+        };
+        let l = Listener::bind_on(plan.hello.clone(), plan.auth.clone(), on.as_deref(), 0, cfg.hello_timeout, true)?;
+        tracing::info!("rank {rank} listens on {:?}", l.local_addrs());
+        Some(l)
+    } else {
+        None
+    };
     let me = PeerInfo {
         rank,
         port: listener.as_ref().map(|l| l.port()).unwrap_or(0),
         host: host::hostname().unwrap_or_default(),
         machine: host::host_identity(),
-        addrs: list_interfaces(),
+        addrs,
+        world: size,
         key: key_to_hex(&plan.auth.public_key()),
     };
-    store.set(&format!("{}/rank/{rank}", plan.prefix), &serde_json::to_vec(&me).unwrap())?;
+    plan.publish(&format!("rank/{rank}"), &serde_json::to_vec(&me).unwrap())?;
 
     let mailbox = Arc::new(Mailbox::with_budget(cfg.unexpected_bytes));
     let groups = Arc::new(Groups::default());
@@ -123,6 +144,11 @@ pub(crate) fn bootstrap(store: &dyn Store, cfg: &CommConfig) -> Result<Mesh> {
     session.busy_poll = cfg.busy_poll;
     let mut routes = Vec::new();
     let connected = rendezvous(&plan, &me).and_then(|infos| {
+        if let Some(l) = &listener {
+            let higher: Vec<(u32, Vec<_>)> =
+                infos[rank + 1..].iter().map(|i| (i.rank as u32, i.addrs.iter().map(|a| a.ip).collect())).collect();
+            l.admit(&higher);
+        }
         let routing = Routing { me: &me, infos: &infos, filter: filter.as_ref(), file: route_file.as_ref() };
         connect_mesh(&plan, &routing, listener.as_ref(), &demux, &mut session, &mut routes)
     });
@@ -156,7 +182,9 @@ pub(crate) fn bootstrap(store: &dyn Store, cfg: &CommConfig) -> Result<Mesh> {
     Ok(Mesh { session, listener, routes, topology })
 }
 
-/// Every rank's published record, in rank order.
+/// Every rank's published record, in rank order. A rank started with another world size is
+/// named as soon as its record is read; a rank that never publishes is named at the deadline,
+/// with who did publish, since nobody at all means another store, group or epoch.
 fn rendezvous(plan: &Plan, me: &PeerInfo) -> Result<Vec<PeerInfo>> {
     let mut infos = Vec::with_capacity(plan.cfg.size);
     for r in 0..plan.cfg.size {
@@ -164,11 +192,16 @@ fn rendezvous(plan: &Plan, me: &PeerInfo) -> Result<Vec<PeerInfo>> {
             infos.push(me.clone());
             continue;
         }
-        let raw = plan.store.get(&format!("{}/rank/{r}", plan.prefix), plan.left()).map_err(|e| {
-            PlaitError::Rendezvous(format!("rank {r} did not publish its address within {:?}: {e}", plan.cfg.timeout))
-        })?;
+        let raw = plan.store.get(&format!("{}/rank/{r}", plan.prefix), plan.left()).map_err(|e| not_published(plan, me, r, e))?;
         let info: PeerInfo = serde_json::from_slice(&raw)
             .map_err(|e| PlaitError::Rendezvous(format!("rank {r} published an unreadable address record: {e}")))?;
+        if info.world != me.world || info.rank != r {
+            return Err(PlaitError::Rendezvous(format!(
+                "rank {r} has world size {}, this rank ({}) {}: every rank must be started with the same world size \
+                 (store keys {}/rank/*)",
+                info.world, me.rank, me.world, plan.prefix
+            )));
+        }
         infos.push(info);
     }
     let keys: Vec<PublicKey> = infos
@@ -185,6 +218,33 @@ fn rendezvous(plan: &Plan, me: &PeerInfo) -> Result<Vec<PeerInfo>> {
         warn_host_identity_unknown(&unknown);
     }
     Ok(infos)
+}
+
+/// The error for rank `missing` not publishing its record: which ranks did, looked up without
+/// waiting, unless the store itself stopped answering.
+fn not_published(plan: &Plan, me: &PeerInfo, missing: usize, e: PlaitError) -> PlaitError {
+    let key = format!("{}/rank/*", plan.prefix);
+    if matches!(e, PlaitError::Timeout { .. }) {
+        return PlaitError::Rendezvous(format!("waiting for rank {missing}'s address (store key {key}): {e}"));
+    }
+    let published: Vec<usize> = (0..plan.cfg.size)
+        .filter(|&r| r != me.rank && r != missing)
+        .filter(|&r| r < missing || plan.store.get(&format!("{}/rank/{r}", plan.prefix), Duration::from_millis(1)).is_ok())
+        .collect();
+    let absent: Vec<usize> = (0..plan.cfg.size).filter(|&r| r != me.rank && !published.contains(&r)).collect();
+    let hint = if published.is_empty() {
+        format!(
+            "no other rank published to this store under {key}: are all ranks using the same store (address and port), \
+             group and epoch, and the same world size ({})?",
+            me.world
+        )
+    } else {
+        format!("ranks {published:?} did, so ranks {absent:?} did not start, are using another store, group or epoch, or a smaller world size")
+    };
+    PlaitError::Rendezvous(format!(
+        "rank {missing} did not publish its address within {:?}: {hint} ({e})",
+        plan.cfg.timeout
+    ))
 }
 
 /// Says that ranks with an unknown host identity count as other hosts. Once per process: every
@@ -367,7 +427,7 @@ fn size_buffers(session: &Session, addrs: &[IfaceAddr], routes: &mut [LinkRecord
 fn share_links(plan: &Plan, routes: &mut [LinkRecord]) -> Result<Vec<Vec<LinkRecord>>> {
     let rank = plan.cfg.rank;
     routes.sort_by_key(|r| r.peer);
-    plan.store.set(&format!("{}/links/{rank}", plan.prefix), &serde_json::to_vec(&routes).unwrap())?;
+    plan.publish(&format!("links/{rank}"), &serde_json::to_vec(&routes).unwrap())?;
     let mut all = Vec::with_capacity(plan.cfg.size);
     for r in 0..plan.cfg.size {
         if r == rank {

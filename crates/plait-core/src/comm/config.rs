@@ -74,6 +74,7 @@ const SEGMENT_BYTES: Range = Range { unit: "number of bytes", min: 1024.0, max: 
 const STREAMS: Range = Range { unit: "number of connections per peer", min: 1.0, max: MAX_STREAMS as f64, integer: true };
 /// Sizes that only say "up to": anything from a TiB on means "everything".
 const BYTES_UP_TO: Range = Range { unit: "number of bytes (0: off)", min: 0.0, max: (1u64 << 40) as f64, integer: true };
+const HELLO_TIMEOUT: Range = Range { unit: "number of seconds", min: 0.001, max: 1e6, integer: false };
 const UNEXPECTED_BYTES: Range =
     Range { unit: "number of bytes", min: MIN_UNEXPECTED_BYTES as f64, max: (1u64 << 40) as f64, integer: true };
 const BUSY_POLL_US: Range = Range { unit: "number of microseconds (0: off)", min: 0.0, max: 1_000_000.0, integer: true };
@@ -84,6 +85,7 @@ const TRACE_ENTRIES: Range = Range { unit: "number of operations (0: off)", min:
 pub const ARGUMENTS: &[(&str, Range)] = &[("timeout", TIMEOUT), ("world_size", WORLD_SIZE), ("epoch", EPOCH)];
 
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
+pub const DEFAULT_HELLO_TIMEOUT: Duration = crate::net::listener::HANDSHAKE_TIMEOUT;
 pub const DEFAULT_SEGMENT_BYTES: usize = 1 << 20;
 /// Blocking calls this small read their links on the calling thread: saves a thread hand-off
 /// per message, while larger transfers keep one receiver thread per link (links in parallel).
@@ -105,6 +107,13 @@ pub const SETTINGS: &[Setting] = &[
         default: "300",
         doc: "Deadline of start-up and of every operation; a peer silent for this long is named in the error.",
         range: Some(TIMEOUT),
+    },
+    Setting {
+        name: "PLAIT_HELLO_TIMEOUT",
+        kind: "seconds",
+        default: "5",
+        doc: "How long an accepted connection may take to send its hello; a connection silent for longer is closed (a real peer sends it at once). It never holds up other connections.",
+        range: Some(HELLO_TIMEOUT),
     },
     Setting {
         name: "PLAIT_IFACE",
@@ -258,6 +267,8 @@ pub struct CommConfig {
     pub epoch: u64,
     /// Default deadline of every operation (and of set-up).
     pub timeout: Duration,
+    /// How long an accepted connection may take to send its hello (`PLAIT_HELLO_TIMEOUT`).
+    pub hello_timeout: Duration,
     /// `PLAIT_ALGO` syntax: `allreduce:ring,allgather:direct`.
     pub algo: Option<String>,
     pub segment_bytes: usize,
@@ -421,6 +432,7 @@ impl CommConfig {
         let caller_read_bytes = whole("PLAIT_CALLER_READ_BYTES")?.map_or(DEFAULT_CALLER_READ_BYTES, |v| v as usize);
         let busy_poll = whole("PLAIT_BUSY_POLL_US")?.map_or(Duration::ZERO, Duration::from_micros);
         let streams = whole("PLAIT_STREAMS")?.map_or(DEFAULT_STREAMS, |v| v as usize);
+        let hello_timeout = setting_number("PLAIT_HELLO_TIMEOUT")?.map_or(DEFAULT_HELLO_TIMEOUT, Duration::from_secs_f64);
         let unexpected_bytes = whole("PLAIT_UNEXPECTED_BYTES")?.unwrap_or(DEFAULT_UNEXPECTED_BYTES);
         let wire = match setting("PLAIT_WIRE_DTYPE") {
             Some(v) => Wire::from_name(&v)
@@ -440,6 +452,7 @@ impl CommConfig {
             group: "default".into(),
             epoch: 0,
             timeout,
+            hello_timeout,
             algo: setting("PLAIT_ALGO"),
             segment_bytes,
             caller_read_bytes,
@@ -469,6 +482,7 @@ mod tests {
         }
         let default_of = |n: &str| SETTINGS.iter().find(|s| s.name == n).unwrap().default;
         assert_eq!(default_of("PLAIT_TIMEOUT").parse::<u64>().unwrap(), DEFAULT_TIMEOUT.as_secs());
+        assert_eq!(default_of("PLAIT_HELLO_TIMEOUT").parse::<u64>().unwrap(), DEFAULT_HELLO_TIMEOUT.as_secs());
         assert_eq!(default_of("PLAIT_SEGMENT_BYTES").parse::<usize>().unwrap(), DEFAULT_SEGMENT_BYTES);
         assert_eq!(default_of("PLAIT_CALLER_READ_BYTES").parse::<usize>().unwrap(), DEFAULT_CALLER_READ_BYTES);
         assert_eq!(default_of("PLAIT_STREAMS").parse::<usize>().unwrap(), DEFAULT_STREAMS);

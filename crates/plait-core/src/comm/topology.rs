@@ -137,6 +137,21 @@ impl RouteFile {
         })?;
         Ok(Route { local, peer_ip: remote.ip, reason: format!("route file {}", self.path) })
     }
+
+    /// The addresses rank `me` listens on: 127.0.0.1 and those the file gives it for the higher
+    /// ranks, which dial them (entries `[me][peer]`, see `route`); one it cannot resolve fails
+    /// later, in `route`, with the error that names it.
+    pub fn listen_addrs(&self, me: usize, mine: &[IfaceAddr]) -> Vec<IpAddr> {
+        let mut out = vec![IpAddr::V4(std::net::Ipv4Addr::LOCALHOST)];
+        for peer in me + 1..self.matrix.len() {
+            if let Some(a) = resolve(self.entry(me, peer), mine) {
+                if !out.contains(&a.ip) {
+                    out.push(a.ip);
+                }
+            }
+        }
+        out
+    }
 }
 
 fn resolve(spec: &str, addrs: &[IfaceAddr]) -> Option<IfaceAddr> {
@@ -199,6 +214,9 @@ mod tests {
         assert_eq!(r.local.ip.to_string(), "10.0.1.2");
         assert_eq!(r.peer_ip.to_string(), "10.0.1.1");
         assert!(f.route(1, &rank0, 0, &rank0).is_err(), "rank 1 has no cable0 in this list");
+        let ip = |s: &str| s.parse::<IpAddr>().unwrap();
+        assert_eq!(f.listen_addrs(0, &rank0), [ip("127.0.0.1"), ip("10.0.1.1")], "rank 0 listens where rank 1 dials");
+        assert_eq!(f.listen_addrs(1, &rank1), [ip("127.0.0.1")], "nobody dials the last rank");
         std::fs::write(&p, r#"[[null, "x"]]"#).unwrap();
         assert!(RouteFile::load(p.to_str().unwrap(), 2).is_err());
         std::fs::write(&p, r#"[[null, null], [null, null]]"#).unwrap();

@@ -1,42 +1,59 @@
-//! The listening side of link set-up: an accept thread that handshakes each incoming connection
-//! on a short-lived thread of its own and hands accepted streams out by rank and lane.
+//! The listening side of link set-up: an accept thread that screens each incoming connection by
+//! its address, waits (without a thread) until it sends something, handshakes it on a
+//! short-lived thread of its own and hands accepted streams out by rank and lane.
+//!
+//! A connection that never sends a hello costs a socket until its hello deadline, nothing more:
+//! silent connections are watched by one poller, so any number of them cannot take the handshake
+//! threads a real peer needs. A listener opened for a rendezvous (`bind_on` with `screened`)
+//! holds connections unread until `admit` names the expected peers, then closes every connection
+//! from another address before reading a byte of it.
 
+use super::admission::{remember, Admission, HalfOpen};
+use super::bind::{bind_any, bind_each};
 use super::auth::{self, LinkAuth, LinkStream, Rejection};
 use super::handshake::{check_hello, read_hello, reply, write_reply, Hello, HsFail};
 use super::tuning::tune_stream;
 use crate::error::PlaitError;
 use parking_lot::{Condvar, Mutex};
-use socket2::{Domain, Protocol, Socket, Type};
-use std::collections::{HashMap, HashSet};
+use polling::{Event, Events, PollMode, Poller};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::io::{self, Read, Write};
-use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, Shutdown, SocketAddr, TcpListener, TcpStream};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::net::{IpAddr, Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-/// How long an accepted connection may take to send its hello.
+/// How long an accepted connection may take to send its hello and finish the handshake (the
+/// default of `PLAIT_HELLO_TIMEOUT`). A real peer sends its hello as soon as it connects.
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// Handshakes in progress at once; beyond this, new connections are dropped so a flood cannot
-/// exhaust threads (a real peer retries on reset).
-const MAX_PENDING_HANDSHAKES: usize = 64;
-/// Accept poll period: bounds how long close() waits for the accept thread.
-const ACCEPT_POLL: Duration = Duration::from_millis(20);
+/// Handshakes in progress at once (threads). Only connections that sent something take one; the
+/// others queue, so a flood of slow senders delays real peers by at most their hello deadline.
+const MAX_HANDSHAKE_THREADS: usize = 64;
+/// Connections waiting for their first byte (or for `admit`). Beyond this the oldest is closed, so
+/// a flood costs a bounded number of sockets and a real peer, which sends its hello at once, is
+/// not the one evicted.
+const MAX_WAITING: usize = 1024;
+/// How `read_hello` says its deadline passed (kept apart from resets and refusals).
+const NO_HELLO: &str = "no complete hello";
 
-/// Listening socket plus an accept thread that handshakes each incoming connection on its own
-/// short-lived thread, so a silent or garbage-sending connection never delays the others.
+/// Listening sockets (one per bound address, one port) plus an accept thread; see the module doc.
 pub struct Listener {
     shared: Arc<Shared>,
     port: u16,
+    addrs: Vec<SocketAddr>,
     thread: Mutex<Option<JoinHandle<()>>>,
 }
 
 struct Shared {
     expect: Hello,
     auth: Arc<LinkAuth>,
-    handshake_timeout: Duration,
+    hello_timeout: Duration,
     stop: AtomicBool,
+    /// Wakes the accept thread: close, admit, a handshake thread ending.
+    poller: Poller,
+    handshakes: AtomicUsize,
     state: Mutex<State>,
     cv: Condvar,
 }
@@ -55,18 +72,38 @@ struct State {
     /// Why the last attempt claiming to be rank r was refused, for accept_from's timeout error.
     refused_rank: HashMap<u32, String>,
     last_refusal: Option<String>,
+    half_open: HalfOpen,
+    admission: Option<Admission>,
+    /// `admission` changed since the accept thread last looked.
+    admission_changed: bool,
     closed: bool,
 }
 
 impl Listener {
-    /// Listens on all addresses, ephemeral port. `expect.from` is ignored; connectors must prove
-    /// the keys `auth` learns they published.
+    /// Listens on all addresses, ephemeral port, admitting anyone (who proves the keys `auth`
+    /// learns they published). `expect.from` is ignored.
+    #[cfg(test)]
     pub fn bind(expect: Hello, auth: Arc<LinkAuth>) -> Result<Listener, PlaitError> {
         Listener::bind_with(expect, auth, 0, HANDSHAKE_TIMEOUT)
     }
 
-    /// As `bind`, with an explicit port (0 = ephemeral) and handshake timeout.
-    pub fn bind_with(expect: Hello, auth: Arc<LinkAuth>, port: u16, handshake_timeout: Duration) -> Result<Listener, PlaitError> {
+    /// As `bind`, with an explicit port (0 = ephemeral) and hello deadline.
+    #[cfg(test)]
+    pub fn bind_with(expect: Hello, auth: Arc<LinkAuth>, port: u16, hello_timeout: Duration) -> Result<Listener, PlaitError> {
+        Listener::bind_on(expect, auth, None, port, hello_timeout, false)
+    }
+
+    /// Listens on `addrs` (None: every address, dual-stack) at one port (0 = ephemeral). With
+    /// `screened`, connections are held unread until `admit` says who may connect. Connectors
+    /// must prove the keys `auth` learns they published.
+    pub fn bind_on(
+        expect: Hello,
+        auth: Arc<LinkAuth>,
+        addrs: Option<&[IpAddr]>,
+        port: u16,
+        hello_timeout: Duration,
+        screened: bool,
+    ) -> Result<Listener, PlaitError> {
         let expect = Hello { mode: auth.mode(), ..expect };
         if expect.to >= expect.world {
             return Err(PlaitError::invalid(format!(
@@ -74,26 +111,58 @@ impl Listener {
                 expect.to, expect.world
             )));
         }
-        let listener = bind_any(port).map_err(|e| PlaitError::Io(format!("cannot listen on port {port}: {e}")))?;
-        let port = listener.local_addr().map_err(PlaitError::from)?.port();
+        let sockets = match addrs {
+            None => vec![bind_any(port).map_err(|e| PlaitError::Io(format!("cannot listen on port {port}: {e}")))?],
+            Some(addrs) => bind_each(addrs, port)?,
+        };
+        let bound: Vec<SocketAddr> = sockets.iter().filter_map(|s| s.local_addr().ok()).collect();
+        let port = bound.first().map(|a| a.port()).ok_or_else(|| PlaitError::Io("no listening socket".into()))?;
+        let admission = if screened { Admission::Awaiting } else { Admission::Open };
         let shared = Arc::new(Shared {
             expect,
             auth,
-            handshake_timeout,
+            hello_timeout,
             stop: AtomicBool::new(false),
-            state: Mutex::new(State::default()),
+            poller: Poller::new().map_err(|e| PlaitError::Io(format!("cannot create a poller: {e}")))?,
+            handshakes: AtomicUsize::new(0),
+            state: Mutex::new(State { admission: Some(admission), ..State::default() }),
             cv: Condvar::new(),
         });
         let s2 = shared.clone();
         let thread = std::thread::Builder::new()
             .name(format!("plait-accept-{port}"))
-            .spawn(move || accept_loop(listener, s2))
+            .spawn(move || Acceptor::new(sockets, s2).run())
             .map_err(|e| PlaitError::Io(format!("cannot start accept thread: {e}")))?;
-        Ok(Listener { shared, port, thread: Mutex::new(Some(thread)) })
+        Ok(Listener { shared, port, addrs: bound, thread: Mutex::new(Some(thread)) })
     }
 
     pub fn port(&self) -> u16 {
         self.port
+    }
+
+    /// The addresses listened on (an unspecified address: all of them).
+    pub fn local_addrs(&self) -> &[SocketAddr] {
+        &self.addrs
+    }
+
+    /// Only these ranks, each from the addresses it published, may connect from now on; the
+    /// connections held so far from other addresses are closed unread. A rank that published no
+    /// address (its system would not list them) may connect from anywhere.
+    pub fn admit(&self, peers: &[(u32, Vec<IpAddr>)]) {
+        let open = peers.iter().any(|(_, addrs)| addrs.is_empty());
+        let admission = if open {
+            Admission::Open
+        } else {
+            let any = peers.iter().flat_map(|(_, a)| a.iter().map(|ip| ip.to_canonical())).collect();
+            let by_rank = peers.iter().map(|(r, a)| (*r, a.iter().map(|ip| ip.to_canonical()).collect())).collect();
+            Admission::Peers { by_rank, any }
+        };
+        {
+            let mut st = self.shared.state.lock();
+            st.admission = Some(admission);
+            st.admission_changed = true;
+        }
+        let _ = self.shared.poller.notify();
     }
 
     /// Waits for the accepted connection from rank `from` (any order of arrival) until `deadline`.
@@ -140,6 +209,10 @@ impl Listener {
                 } else if let Some(why) = &st.last_refusal {
                     waiting_on.push_str(&format!("; last refused connection: {why}"));
                 }
+                let half_open = st.half_open.describe(self.shared.hello_timeout, MAX_WAITING);
+                if !half_open.is_empty() {
+                    waiting_on.push_str(&format!("; {half_open}"));
+                }
                 return Err(PlaitError::Timeout { op: "connect".into(), waiting_on, waited: start.elapsed() });
             }
             self.shared.cv.wait_until(&mut st, deadline);
@@ -160,6 +233,7 @@ impl Listener {
         }
         self.shared.auth.stop_waiting();
         self.shared.cv.notify_all();
+        let _ = self.shared.poller.notify();
         if let Some(h) = self.thread.lock().take() {
             let _ = h.join();
         }
@@ -172,44 +246,238 @@ impl Drop for Listener {
     }
 }
 
-/// Dual-stack [::] so IPv6 routes work too; plain 0.0.0.0 where IPv6 is unavailable.
-fn bind_any(port: u16) -> io::Result<TcpListener> {
-    let v6 = SocketAddr::new(IpAddr::V6(Ipv6Addr::UNSPECIFIED), port);
-    let v4 = SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), port);
-    let try_bind = |addr: SocketAddr| -> io::Result<TcpListener> {
-        let s = Socket::new(Domain::for_address(addr), Type::STREAM, Some(Protocol::TCP))?;
-        if addr.is_ipv6() {
-            s.set_only_v6(false)?;
-        }
-        // Lets a fixed port be reused while old connections sit in TIME_WAIT. Not on Windows,
-        // where it would let two listeners share the port.
-        #[cfg(not(windows))]
-        s.set_reuse_address(true)?;
-        s.bind(&addr.into())?;
-        s.listen(128)?;
-        s.set_nonblocking(true)?;
-        Ok(s.into())
-    };
-    try_bind(v6).or_else(|_| try_bind(v4))
+/// A connection that has not sent anything yet.
+struct Waiting {
+    stream: TcpStream,
+    addr: SocketAddr,
+    /// The hello and handshake must be done by then.
+    deadline: Instant,
 }
 
-fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
-    let mut last_error_log: Option<Instant> = None;
-    while !shared.stop.load(Ordering::SeqCst) {
-        match listener.accept() {
-            Ok((s, addr)) => start_handshake(s, canonical(addr), &shared),
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => std::thread::sleep(ACCEPT_POLL),
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) => {
-                // E.g. EMFILE: keep trying, but do not flood the log.
-                if last_error_log.is_none_or(|t| t.elapsed() > Duration::from_secs(5)) {
-                    tracing::warn!("accept on port {} failed: {e}", listener.local_addr().map(|a| a.port()).unwrap_or(0));
-                    last_error_log = Some(Instant::now());
+/// The accept thread: listening sockets and silent connections in one poller (keys below
+/// `listeners.len()` are listening sockets), connections with bytes to read queued for a
+/// handshake thread.
+struct Acceptor {
+    listeners: Vec<TcpListener>,
+    shared: Arc<Shared>,
+    /// Registered in the poller, by key.
+    watched: HashMap<usize, Waiting>,
+    /// Accepted before `admit`: not registered, not read.
+    held: VecDeque<(usize, Waiting)>,
+    /// Readable, waiting for a handshake thread.
+    queued: VecDeque<(usize, Waiting)>,
+    next_key: usize,
+    last_error_log: Option<Instant>,
+}
+
+impl Acceptor {
+    fn new(listeners: Vec<TcpListener>, shared: Arc<Shared>) -> Acceptor {
+        let next_key = listeners.len();
+        Acceptor {
+            listeners,
+            shared,
+            watched: HashMap::new(),
+            held: VecDeque::new(),
+            queued: VecDeque::new(),
+            next_key,
+            last_error_log: None,
+        }
+    }
+
+    fn run(mut self) {
+        for (key, l) in self.listeners.iter().enumerate() {
+            // SAFETY: every listening socket is deleted from the poller before it closes (below).
+            if let Err(e) = unsafe { self.shared.poller.add_with_mode(l, Event::readable(key), PollMode::Level) } {
+                tracing::warn!("cannot watch listening socket: {e}");
+            }
+        }
+        let mut events = Events::new();
+        while !self.shared.stop.load(Ordering::SeqCst) {
+            events.clear();
+            let timeout = self.next_deadline().map(|d| d.saturating_duration_since(Instant::now()));
+            if let Err(e) = self.shared.poller.wait(&mut events, timeout) {
+                if e.kind() != io::ErrorKind::Interrupted {
+                    tracing::warn!("listener poll failed: {e}");
+                    std::thread::sleep(Duration::from_millis(20));
                 }
-                std::thread::sleep(ACCEPT_POLL);
+            }
+            for ev in events.iter() {
+                if ev.key < self.listeners.len() {
+                    self.accept_all(ev.key);
+                } else if let Some(w) = self.watched.remove(&ev.key) {
+                    let _ = self.shared.poller.delete(&w.stream);
+                    self.queued.push_back((ev.key, w));
+                }
+            }
+            self.apply_admission();
+            self.expire();
+            self.dispatch();
+        }
+        for l in &self.listeners {
+            let _ = self.shared.poller.delete(l);
+        }
+        for w in self.watched.values() {
+            let _ = self.shared.poller.delete(&w.stream);
+        }
+    }
+
+    fn next_deadline(&self) -> Option<Instant> {
+        let watched = self.watched.values().map(|w| w.deadline);
+        let queued = self.queued.iter().map(|(_, w)| w.deadline);
+        watched.chain(queued).min()
+    }
+
+    fn accept_all(&mut self, key: usize) {
+        loop {
+            match self.listeners[key].accept() {
+                Ok((s, addr)) => self.admit_one(s, canonical(addr)),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => {
+                    // E.g. EMFILE: keep trying, but do not flood the log (nor spin: the socket
+                    // stays readable).
+                    if self.last_error_log.is_none_or(|t| t.elapsed() > Duration::from_secs(5)) {
+                        tracing::warn!("accept on port {} failed: {e}", self.listeners[key].local_addr().map(|a| a.port()).unwrap_or(0));
+                        self.last_error_log = Some(Instant::now());
+                    }
+                    std::thread::sleep(Duration::from_millis(20));
+                    return;
+                }
             }
         }
     }
+
+    /// A new connection: closed at once from a stranger's address, else held or watched.
+    fn admit_one(&mut self, stream: TcpStream, addr: SocketAddr) {
+        let awaiting = {
+            let mut st = self.shared.state.lock();
+            let admission = st.admission.as_ref().expect("set at bind");
+            if st.closed {
+                return;
+            }
+            if !admission.allows(addr.ip()) {
+                refuse_stranger(&mut st, addr);
+                return;
+            }
+            matches!(admission, Admission::Awaiting)
+        };
+        if stream.set_nonblocking(true).is_err() {
+            return;
+        }
+        if self.watched.len() + self.held.len() >= MAX_WAITING {
+            self.evict_oldest();
+        }
+        let key = self.next_key;
+        self.next_key += 1;
+        let w = Waiting { stream, addr, deadline: Instant::now() + self.shared.hello_timeout };
+        self.shared.state.lock().half_open.open.insert(key, addr);
+        if awaiting {
+            self.held.push_back((key, w));
+        } else {
+            self.watch(key, w);
+        }
+    }
+
+    fn watch(&mut self, key: usize, w: Waiting) {
+        // SAFETY: deleted from the poller before the stream is dropped (`run`, `expire`,
+        // `evict_oldest`, or on its event).
+        match unsafe { self.shared.poller.add(&w.stream, Event::readable(key)) } {
+            Ok(()) => {
+                self.watched.insert(key, w);
+            }
+            // Cannot wait for it: let a handshake thread read it, bounded by its deadline.
+            Err(_) => self.queued.push_back((key, w)),
+        }
+    }
+
+    fn evict_oldest(&mut self) {
+        let oldest_watched = self.watched.iter().min_by_key(|(_, w)| w.deadline).map(|(k, _)| *k);
+        let victim = match self.held.pop_front() {
+            Some((key, w)) => Some((key, w)),
+            None => oldest_watched.and_then(|k| self.watched.remove(&k).map(|w| (k, w))),
+        };
+        if let Some((key, w)) = victim {
+            let _ = self.shared.poller.delete(&w.stream);
+            let mut st = self.shared.state.lock();
+            st.half_open.open.remove(&key);
+            st.half_open.evicted += 1;
+            remember(&mut st.half_open.recent, w.addr);
+        }
+    }
+
+    /// After `admit`: held connections from strangers are closed, the others watched, with
+    /// their hello deadline counted from now (the wait so far was this rank's).
+    fn apply_admission(&mut self) {
+        let held: Vec<(usize, Waiting)> = {
+            let mut st = self.shared.state.lock();
+            if !std::mem::take(&mut st.admission_changed) {
+                return;
+            }
+            let admission = st.admission.take().expect("set at bind");
+            let mut keep = Vec::new();
+            for (key, w) in self.held.drain(..) {
+                if admission.allows(w.addr.ip()) {
+                    keep.push((key, w));
+                } else {
+                    st.half_open.open.remove(&key);
+                    refuse_stranger(&mut st, w.addr);
+                }
+            }
+            st.admission = Some(admission);
+            keep
+        };
+        for (key, mut w) in held {
+            w.deadline = Instant::now() + self.shared.hello_timeout;
+            self.watch(key, w);
+        }
+    }
+
+    /// Closes connections whose hello deadline passed with nothing to read.
+    fn expire(&mut self) {
+        let now = Instant::now();
+        let late: Vec<usize> = self.watched.iter().filter(|(_, w)| w.deadline <= now).map(|(k, _)| *k).collect();
+        let mut late_queued = Vec::new();
+        self.queued.retain(|(k, w)| {
+            let keep = w.deadline > now;
+            if !keep {
+                late_queued.push((*k, w.addr));
+            }
+            keep
+        });
+        if late.is_empty() && late_queued.is_empty() {
+            return;
+        }
+        let mut st = self.shared.state.lock();
+        for key in late {
+            let w = self.watched.remove(&key).expect("listed above");
+            let _ = self.shared.poller.delete(&w.stream);
+            tracing::warn!(remote = %w.addr, "closed a connection that sent no hello within {:?}", self.shared.hello_timeout);
+            st.half_open.open.remove(&key);
+            st.half_open.timed_out += 1;
+            remember(&mut st.half_open.recent, w.addr);
+        }
+        for (key, addr) in late_queued {
+            st.half_open.open.remove(&key);
+            st.half_open.timed_out += 1;
+            remember(&mut st.half_open.recent, addr);
+        }
+    }
+
+    /// Starts handshake threads for queued connections while there are free slots; a thread
+    /// ending wakes the poller to start the next.
+    fn dispatch(&mut self) {
+        while self.shared.handshakes.load(Ordering::SeqCst) < MAX_HANDSHAKE_THREADS {
+            let Some((key, w)) = self.queued.pop_front() else { return };
+            self.shared.state.lock().half_open.open.remove(&key);
+            start_handshake(w, &self.shared);
+        }
+    }
+}
+
+fn refuse_stranger(st: &mut State, addr: SocketAddr) {
+    tracing::warn!(remote = %addr, "closed a connection from an address no peer published");
+    st.half_open.strangers += 1;
+    remember(&mut st.half_open.recent_strangers, addr);
 }
 
 /// IPv4 peers of a dual-stack socket appear as ::ffff:a.b.c.d; show them as a.b.c.d.
@@ -223,8 +491,9 @@ fn canonical(addr: SocketAddr) -> SocketAddr {
     }
 }
 
-fn start_handshake(s: TcpStream, addr: SocketAddr, shared: &Arc<Shared>) {
-    // Accepted sockets inherit non-blocking mode on some platforms (BSD, macOS).
+fn start_handshake(w: Waiting, shared: &Arc<Shared>) {
+    let Waiting { stream: s, addr, deadline } = w;
+    // The handshake reads with timeouts on a blocking socket.
     if s.set_nonblocking(false).is_err() {
         return;
     }
@@ -233,38 +502,45 @@ fn start_handshake(s: TcpStream, addr: SocketAddr, shared: &Arc<Shared>) {
         if st.closed {
             return;
         }
-        if st.pending.len() >= MAX_PENDING_HANDSHAKES {
-            tracing::warn!(remote = %addr, "dropping connection: {MAX_PENDING_HANDSHAKES} handshakes already in progress");
-            return;
-        }
         let Ok(clone) = s.try_clone() else { return };
         let id = st.next_pending;
         st.next_pending += 1;
         st.pending.insert(id, clone);
         id
     };
+    shared.handshakes.fetch_add(1, Ordering::SeqCst);
     let sh = shared.clone();
-    let spawned = std::thread::Builder::new()
-        .name("plait-handshake".into())
-        .spawn(move || {
-            handshake(s, addr, id, &sh);
-            sh.state.lock().pending.remove(&id);
-        });
+    let spawned = std::thread::Builder::new().name("plait-handshake".into()).spawn(move || {
+        handshake(s, addr, id, deadline, &sh);
+        sh.state.lock().pending.remove(&id);
+        sh.handshakes.fetch_sub(1, Ordering::SeqCst);
+        let _ = sh.poller.notify();
+    });
     if let Err(e) = spawned {
         tracing::warn!(remote = %addr, "dropping connection: cannot start handshake thread: {e}");
         shared.state.lock().pending.remove(&id);
+        shared.handshakes.fetch_sub(1, Ordering::SeqCst);
     }
 }
 
-fn handshake(mut s: TcpStream, addr: SocketAddr, id: u64, shared: &Shared) {
-    let deadline = Instant::now() + shared.handshake_timeout;
-    let _ = s.set_write_timeout(Some(shared.handshake_timeout.max(Duration::from_millis(1))));
+fn handshake(mut s: TcpStream, addr: SocketAddr, id: u64, deadline: Instant, shared: &Shared) {
+    let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
+    let _ = s.set_write_timeout(Some(left));
     let hello = match read_hello(&mut s, deadline) {
         Ok(h) => h,
         Err(HsFail::Refuse(why)) => return refuse(s, addr, None, why, shared),
-        Err(HsFail::Io(why)) => return give_up(addr, &why, shared),
+        Err(HsFail::Io(why)) => {
+            if why.starts_with(NO_HELLO) {
+                let mut st = shared.state.lock();
+                st.half_open.timed_out += 1;
+                remember(&mut st.half_open.recent, addr);
+            }
+            return give_up(addr, &why, shared);
+        }
     };
-    if let Some(why) = check_hello(&hello, &shared.expect) {
+    let refused = check_hello(&hello, &shared.expect)
+        .or_else(|| shared.state.lock().admission.as_ref().and_then(|a| a.refuses(hello.from, addr.ip())));
+    if let Some(why) = refused {
         return refuse(s, addr, Some(hello.from), why, shared);
     }
     let msg1 = match auth::read_msg(&mut s, deadline) {
@@ -373,28 +649,52 @@ mod tests {
     use crate::net::handshake::testing::{hello, lo_route, soon};
     use crate::net::handshake::{HELLO_FIXED_LEN, REPLY_MAGIC};
     use std::io::{Read, Write};
+    use std::sync::OnceLock;
+
+    /// Keys of an 8-rank test world (every rank knows them all), shared by the tests here.
+    fn keys(rank: u32) -> Arc<LinkAuth> {
+        static KEYS: OnceLock<Vec<Arc<LinkAuth>>> = OnceLock::new();
+        KEYS.get_or_init(|| test_world(8, None, false))[rank as usize].clone()
+    }
+
+    fn bind(h: Hello) -> Result<Listener, PlaitError> {
+        let auth = keys(h.to);
+        Listener::bind(h, auth)
+    }
+
+    fn bind_with(h: Hello, port: u16, hello_timeout: Duration) -> Result<Listener, PlaitError> {
+        let auth = keys(h.to);
+        Listener::bind_with(h, auth, port, hello_timeout)
+    }
+
+    fn bind_on(h: Hello, addrs: Option<&[IpAddr]>, port: u16, hello_timeout: Duration, screened: bool) -> Result<Listener, PlaitError> {
+        let auth = keys(h.to);
+        Listener::bind_on(h, auth, addrs, port, hello_timeout, screened)
+    }
+
+    /// Connects as `h.from`, proving that rank's key; the plain stream.
+    fn dial(port: u16, h: &Hello, deadline: Instant) -> Result<TcpStream, PlaitError> {
+        connect(&lo_route(), port, h, &keys(h.from), deadline).map(|l| l.stream)
+    }
 
     #[test]
     fn full_mesh_of_four_ranks() {
         let world = 4u32;
-        let auth = test_world(world as usize, None, false);
         let listeners: Vec<Arc<Listener>> =
-            (0..world).map(|r| Arc::new(Listener::bind(hello("mesh", 7, 0, r, world), auth[r as usize].clone()).unwrap())).collect();
+            (0..world).map(|r| Arc::new(bind(hello("mesh", 7, 0, r, world)).unwrap())).collect();
         let ports: Vec<u16> = listeners.iter().map(|l| l.port()).collect();
         let threads: Vec<_> = (0..world)
             .map(|me| {
                 let l = listeners[me as usize].clone();
                 let ports = ports.clone();
-                let auth = auth[me as usize].clone();
                 std::thread::spawn(move || {
                     let deadline = soon(5000);
                     let mut links = HashMap::new();
                     // Connect downwards in reverse order and accept upwards in reverse order,
                     // so arrivals are out of order.
                     for peer in (0..me).rev() {
-                        let mut s = connect(&lo_route(), ports[peer as usize], &hello("mesh", 7, me, peer, world), &auth, deadline)
-                            .unwrap()
-                            .stream;
+                        let mut s = dial(ports[peer as usize], &hello("mesh", 7, me, peer, world), deadline)
+                            .unwrap();
                         s.write_all(&me.to_le_bytes()).unwrap();
                         links.insert(peer, s);
                     }
@@ -424,8 +724,7 @@ mod tests {
 
     #[test]
     fn mismatched_hellos_are_refused_and_listener_keeps_working() {
-        let a = test_world(3, None, false);
-        let l = Listener::bind(hello("g", 1, 0, 0, 3), a[0].clone()).unwrap();
+        let l = bind(hello("g", 1, 0, 0, 3)).unwrap();
         let p = l.port();
         let cases = [
             (hello("other", 1, 1, 0, 3), "group"),
@@ -434,7 +733,7 @@ mod tests {
         ];
         for (h, what) in cases {
             let t = Instant::now();
-            let e = connect(&lo_route(), p, &h, &a[1], soon(3000)).unwrap_err();
+            let e = dial(p, &h, soon(3000)).unwrap_err();
             let msg = e.to_string();
             assert_eq!(e.kind(), "peer", "{msg}");
             assert!(msg.contains("refused") && msg.contains(what), "{msg}");
@@ -451,29 +750,26 @@ mod tests {
             assert_eq!(r[8], 0);
             assert!(String::from_utf8_lossy(&r[11..]).contains(what), "{:?}", String::from_utf8_lossy(&r));
         }
-        let a2 = a[2].clone();
-        let t = std::thread::spawn(move || connect(&lo_route(), p, &hello("g", 1, 2, 0, 3), &a2, soon(3000)).unwrap());
+        let t = std::thread::spawn(move || dial(p, &hello("g", 1, 2, 0, 3), soon(3000)).unwrap());
         let mut s = l.accept_from(2, soon(3000)).unwrap().stream;
-        let mut c = t.join().unwrap().stream;
+        let mut c = t.join().unwrap();
         c.write_all(b"hi").unwrap();
         let mut b = [0u8; 2];
         s.read_exact(&mut b).unwrap();
         assert_eq!(&b, b"hi");
         // A second connection claiming the same rank is refused, even after it was taken.
-        let e = connect(&lo_route(), p, &hello("g", 1, 2, 0, 3), &a[2], soon(3000)).unwrap_err();
+        let e = dial(p, &hello("g", 1, 2, 0, 3), soon(3000)).unwrap_err();
         assert!(e.to_string().contains("already connected"), "{e}");
         assert!(l.accept_from(2, soon(10)).is_err());
         // The other rank still gets in.
-        let a1 = a[1].clone();
-        let t = std::thread::spawn(move || connect(&lo_route(), p, &hello("g", 1, 1, 0, 3), &a1, soon(3000)).unwrap());
+        let t = std::thread::spawn(move || dial(p, &hello("g", 1, 1, 0, 3), soon(3000)).unwrap());
         l.accept_from(1, soon(3000)).unwrap();
         t.join().unwrap();
     }
 
     #[test]
     fn garbage_and_silent_connections_do_not_block_a_valid_peer() {
-        let a = test_world(2, None, false);
-        let l = Listener::bind_with(hello("g", 3, 0, 0, 2), a[0].clone(), 0, Duration::from_millis(800)).unwrap();
+        let l = bind_with(hello("g", 3, 0, 0, 2), 0, Duration::from_millis(800)).unwrap();
         let p = l.port();
         // Random bytes.
         let mut junk = TcpStream::connect(("127.0.0.1", p)).unwrap();
@@ -498,8 +794,7 @@ mod tests {
         stalled.write_all(&hello("g", 3, 1, 0, 2).encode()[..10]).unwrap();
 
         let t0 = Instant::now();
-        let a1 = a[1].clone();
-        let c = std::thread::spawn(move || connect(&lo_route(), p, &hello("g", 3, 1, 0, 2), &a1, soon(3000)).unwrap());
+        let c = std::thread::spawn(move || dial(p, &hello("g", 3, 1, 0, 2), soon(3000)).unwrap());
         l.accept_from(1, soon(3000)).unwrap();
         c.join().unwrap();
         assert!(t0.elapsed() < Duration::from_millis(500), "valid peer delayed {:?}", t0.elapsed());
@@ -520,16 +815,99 @@ mod tests {
     }
 
     #[test]
+    fn hundreds_of_silent_connections_do_not_block_a_valid_peer() {
+        let l = bind_with(hello("g", 3, 0, 0, 2), 0, Duration::from_secs(20)).unwrap();
+        let p = l.port();
+        let silent: Vec<TcpStream> = (0..200).map(|_| TcpStream::connect(("127.0.0.1", p)).unwrap()).collect();
+        std::thread::sleep(Duration::from_millis(200));
+        let t0 = Instant::now();
+        let c = std::thread::spawn(move || dial(p, &hello("g", 3, 1, 0, 2), soon(3000)));
+        let accepted = l.accept_from(1, soon(3000));
+        let connected = c.join().unwrap();
+        assert!(accepted.is_ok() && connected.is_ok(), "{accepted:?} {connected:?}");
+        assert!(t0.elapsed() < Duration::from_secs(1), "valid peer delayed {:?}", t0.elapsed());
+        drop(silent);
+    }
+
+    #[test]
+    fn a_timeout_names_the_connections_that_sent_no_hello() {
+        let l = bind_with(hello("g", 3, 0, 0, 3), 0, Duration::from_millis(300)).unwrap();
+        let p = l.port();
+        let silent: Vec<TcpStream> = (0..3).map(|_| TcpStream::connect(("127.0.0.1", p)).unwrap()).collect();
+        let from = silent[0].local_addr().unwrap();
+        let e = l.accept_from(2, soon(1000)).unwrap_err().to_string();
+        assert!(e.contains("3 connection(s)") && e.contains("no hello") && e.contains(&from.to_string()), "{e}");
+        // Still open ones are named as such.
+        let l = bind_with(hello("g", 3, 0, 0, 3), 0, Duration::from_secs(20)).unwrap();
+        let _silent: Vec<TcpStream> = (0..2).map(|_| TcpStream::connect(("127.0.0.1", l.port())).unwrap()).collect();
+        let e = l.accept_from(2, soon(300)).unwrap_err().to_string();
+        assert!(e.contains("2 connection(s) open") && e.contains("no hello yet"), "{e}");
+    }
+
+    #[test]
+    fn a_listener_on_chosen_addresses_is_not_reachable_on_others() {
+        let lo: IpAddr = "127.0.0.1".parse().unwrap();
+        let l = bind_on(hello("g", 1, 0, 0, 2), Some(&[lo]), 0, HANDSHAKE_TIMEOUT, false).unwrap();
+        assert_eq!(l.local_addrs(), [SocketAddr::new(lo, l.port())]);
+        // 127.0.0.2 is this host too (Linux, Windows), but nobody listens there.
+        let other = SocketAddr::from(([127, 0, 0, 2], l.port()));
+        assert!(TcpStream::connect_timeout(&other, Duration::from_secs(2)).is_err());
+        let c = std::thread::spawn({
+            let p = l.port();
+            move || dial(p, &hello("g", 1, 1, 0, 2), soon(3000))
+        });
+        l.accept_from(1, soon(3000)).unwrap();
+        c.join().unwrap().unwrap();
+    }
+
+    #[test]
+    fn connections_from_addresses_no_peer_published_are_closed_unread() {
+        let l = bind_on(hello("g", 1, 0, 0, 3), None, 0, HANDSHAKE_TIMEOUT, true).unwrap();
+        let p = l.port();
+        // Held unread until the peers are known: this one comes from 127.0.0.1, which no peer has.
+        let mut early = TcpStream::connect(("127.0.0.1", p)).unwrap();
+        early.write_all(&hello("g", 1, 1, 0, 3).encode()).unwrap();
+        std::thread::sleep(Duration::from_millis(100));
+        let far = |last: u8| vec!["10.255.0.0".parse::<IpAddr>().unwrap(), IpAddr::from([10, 255, 0, last])];
+        l.admit(&[(1, far(1)), (2, far(2))]);
+        early.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
+        let mut got = Vec::new();
+        let end = early.read_to_end(&mut got);
+        assert!(got.is_empty(), "a stranger was answered: {:?}", String::from_utf8_lossy(&got));
+        assert!(end.is_ok() || end.as_ref().is_err_and(|e| e.kind() == io::ErrorKind::ConnectionReset), "{end:?}");
+        // Later ones are closed at accept, and the timeout names them.
+        let mut late = TcpStream::connect(("127.0.0.1", p)).unwrap();
+        let _ = late.write_all(&hello("g", 1, 1, 0, 3).encode());
+        late.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
+        let mut got = Vec::new();
+        let _ = late.read_to_end(&mut got);
+        assert!(got.is_empty());
+        let e = l.accept_from(1, soon(100)).unwrap_err().to_string();
+        assert!(e.contains("2 connection(s) refused from addresses no peer published") && e.contains("127.0.0.1:"), "{e}");
+
+        // Each rank only from its own addresses.
+        let l = bind_on(hello("g", 1, 0, 0, 3), None, 0, HANDSHAKE_TIMEOUT, true).unwrap();
+        l.admit(&[(1, vec!["127.0.0.1".parse().unwrap()]), (2, far(2))]);
+        let e = dial(l.port(), &hello("g", 1, 2, 0, 3), soon(2000)).unwrap_err().to_string();
+        assert!(e.contains("rank 2 connected from 127.0.0.1") && e.contains("not one of the addresses it published"), "{e}");
+        let c = std::thread::spawn({
+            let p = l.port();
+            move || dial(p, &hello("g", 1, 1, 0, 3), soon(3000))
+        });
+        l.accept_from(1, soon(3000)).unwrap();
+        c.join().unwrap().unwrap();
+    }
+
+    #[test]
     fn accept_from_times_out_naming_the_rank() {
-        let a = test_world(4, None, false);
-        let l = Listener::bind(hello("g", 5, 0, 1, 4), a[1].clone()).unwrap();
+        let l = bind(hello("g", 5, 0, 1, 4)).unwrap();
         let t = Instant::now();
         let e = l.accept_from(3, soon(200)).unwrap_err();
         assert!(t.elapsed() >= Duration::from_millis(200) && t.elapsed() < Duration::from_secs(1));
         assert_eq!(e.kind(), "timeout");
         assert!(e.to_string().contains("rank 3"), "{e}");
         // A refused attempt by that rank is part of the diagnosis.
-        let _ = connect(&lo_route(), l.port(), &hello("g", 4, 3, 1, 4), &a[3], soon(2000)).unwrap_err();
+        let _ = dial(l.port(), &hello("g", 4, 3, 1, 4), soon(2000)).unwrap_err();
         let e = l.accept_from(3, soon(100)).unwrap_err();
         assert!(e.to_string().contains("epoch 4"), "{e}");
         // Ranks that never connect to this one are rejected outright.
@@ -540,8 +918,7 @@ mod tests {
 
     #[test]
     fn close_joins_promptly_and_wakes_waiters() {
-        let a = test_world(2, None, false);
-        let l = Arc::new(Listener::bind(hello("g", 1, 0, 0, 2), a[0].clone()).unwrap());
+        let l = Arc::new(bind(hello("g", 1, 0, 0, 2)).unwrap());
         let p = l.port();
         let _silent = TcpStream::connect(("127.0.0.1", p)).unwrap();
         std::thread::sleep(Duration::from_millis(50));
@@ -554,7 +931,7 @@ mod tests {
         assert_eq!(waiter.join().unwrap().unwrap_err().kind(), "broken");
         l.close();
         // Nobody listens any more.
-        let e = connect(&lo_route(), p, &hello("g", 1, 1, 0, 2), &a[1], soon(200)).unwrap_err();
+        let e = dial(p, &hello("g", 1, 1, 0, 2), soon(200)).unwrap_err();
         assert_eq!(e.kind(), "timeout", "{e}");
         let m = e.to_string();
         assert!(m.contains("rank 0") && m.contains(&format!("127.0.0.1:{p}")) && m.contains("refused"), "{m}");
@@ -562,15 +939,13 @@ mod tests {
 
     #[test]
     fn streams_taken_before_close_survive_it() {
-        let a = test_world(2, None, false);
         for _ in 0..20 {
-            let l = Listener::bind(hello("g", 1, 0, 0, 2), a[0].clone()).unwrap();
+            let l = bind(hello("g", 1, 0, 0, 2)).unwrap();
             let p = l.port();
-            let a1 = a[1].clone();
-            let c = std::thread::spawn(move || connect(&lo_route(), p, &hello("g", 1, 1, 0, 2), &a1, soon(3000)).unwrap());
+            let c = std::thread::spawn(move || dial(p, &hello("g", 1, 1, 0, 2), soon(3000)).unwrap());
             let mut s = l.accept_from(1, soon(3000)).unwrap().stream;
             drop(l);
-            let mut c = c.join().unwrap().stream;
+            let mut c = c.join().unwrap();
             c.write_all(b"ok").unwrap();
             let mut b = [0u8; 2];
             s.read_exact(&mut b).unwrap();

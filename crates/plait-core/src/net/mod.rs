@@ -1,7 +1,9 @@
 //! Links between ranks: local interfaces, per-peer route choice, TCP connections with a
 //! handshake, and message framing.
 
+mod admission;
 pub mod auth;
+mod bind;
 pub mod connect;
 pub mod frame;
 pub mod handshake;

@@ -114,6 +114,23 @@ pub fn candidate_routes(
     out
 }
 
+/// The local addresses a listener binds so that every route a peer may choose to this rank
+/// reaches it, and nothing else: `None` (every address, dual-stack) without a filter, else
+/// 127.0.0.1 (same-host routes ignore the filter, see `candidate_routes`) and every usable local
+/// address the filter allows. A peer's route ends at one of our published addresses that its own
+/// subnet match or the OS route picked; with the same `PLAIT_IFACE` on every rank those are the
+/// allowed ones.
+pub fn listen_addrs(local: &[IfaceAddr], iface_filter: Option<&IfaceFilter>) -> Option<Vec<IpAddr>> {
+    let f = iface_filter?;
+    let mut out = vec![IpAddr::V4(Ipv4Addr::LOCALHOST)];
+    for a in local.iter().filter(|a| usable_local_ip(&a.ip) && f.allows(a)) {
+        if !out.contains(&a.ip) {
+            out.push(a.ip);
+        }
+    }
+    Some(out)
+}
+
 /// Value of a path property limited by its slower end; 0 when neither end knows.
 fn path_value(a: Option<u32>, b: Option<u32>) -> u32 {
     match (a, b) {
@@ -364,6 +381,25 @@ mod tests {
         let nolo: Vec<_> = h.iter().filter(|a| !a.is_loopback()).cloned().collect();
         let r = candidate_routes(&nolo, &h, true, Some(&f));
         assert_eq!((r[0].local.ip, r[0].peer_ip), (ip("127.0.0.1"), ip("127.0.0.1")));
+    }
+
+    #[test]
+    fn listeners_bind_only_what_the_filter_allows() {
+        let h = host(1);
+        assert_eq!(listen_addrs(&h, None), None, "no filter: every address");
+        let f = IfaceFilter::parse("lo").unwrap();
+        assert_eq!(listen_addrs(&h, Some(&f)).unwrap(), [ip("127.0.0.1")]);
+        let f = IfaceFilter::parse("enp").unwrap();
+        assert_eq!(listen_addrs(&h, Some(&f)).unwrap(), [ip("127.0.0.1"), ip("10.0.12.1"), ip("10.0.13.1")]);
+        // Exclusions keep loopback (same-host routes) and drop the excluded.
+        let f = IfaceFilter::parse("^docker,enp").unwrap();
+        assert_eq!(listen_addrs(&h, Some(&f)).unwrap(), [ip("127.0.0.1"), ip("192.168.1.11")]);
+        // IPv6 addresses the filter allows are bound too; link-local and multicast never are.
+        let v6 = vec![ifa("eth0", "fd00::1/64", None, None), ifa("eth0", "192.0.2.1/24", None, None)];
+        let f = IfaceFilter::parse("eth0").unwrap();
+        assert_eq!(listen_addrs(&v6, Some(&f)).unwrap(), [ip("127.0.0.1"), ip("fd00::1"), ip("192.0.2.1")]);
+        let f = IfaceFilter::parse("=nonexistent").unwrap();
+        assert_eq!(listen_addrs(&h, Some(&f)).unwrap(), [ip("127.0.0.1")]);
     }
 
     #[test]
