@@ -64,12 +64,13 @@ def test_half_open_connections_do_not_block_startup(silent):
     """`silent` connections that never send a hello sit on rank 0's listener while the real peers
     start, with a start-up deadline shorter than the hello deadline: the peers still get in."""
     n, store = 3, KVServer()
-    results, threads = _start(lambda r: store, [0], lambda r: n, timeout=4)
+    # The allreduce below runs on other threads than the ones that made the communicators.
+    results, threads = _start(lambda r: store, [0], lambda r: n, timeout=4, threads="sequential")
     port = _port_of(store, 0)
     held = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(silent)]
     try:
         time.sleep(0.3)  # all of them accepted before the peers come
-        threads.update(_start(lambda r: store, [1, 2], lambda r: n, timeout=4, out=results)[1])
+        threads.update(_start(lambda r: store, [1, 2], lambda r: n, timeout=4, out=results, threads="sequential")[1])
         assert not _join(threads, 15), "start-up hung"
         failed = {r: c for r, (c, _) in results.items() if isinstance(c, Exception)}
         assert not failed, failed
@@ -97,7 +98,7 @@ def test_startup_timeout_names_half_open_connections():
     port = _port_of(store, 0)
     # Publishes rank 1's record, so rank 0 waits in accept, not in the store.
     store.set("plait/default/0/rank/1", json.dumps(
-        {"rank": 1, "port": 1, "host": "", "machine": None, "addrs": [], "world": 2}).encode())
+        {"rank": 1, "port": 1, "host": "", "machine": None, "addrs": [], "world": 2, "key": "11" * 32}).encode())
     held = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(3)]
     try:
         assert not _join(threads, 10)

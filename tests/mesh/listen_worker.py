@@ -33,7 +33,8 @@ def ranks(args):
 
     def build(r):
         try:
-            comms[r] = plait.Communicator(store, r, 2, timeout=args.get("timeout", 20))
+            # The allreduce below runs on other threads than the ones that build the communicators.
+            comms[r] = plait.Communicator(store, r, 2, timeout=args.get("timeout", 20), threads="sequential")
         except Exception as e:
             errors.append(f"rank {r}: {e}")
 
@@ -66,10 +67,11 @@ def ranks(args):
 
 
 def hello(group="default", epoch=0, frm=1, to=0, world=2):
-    """A hello as net/handshake.rs writes it (version 2)."""
+    """A hello as net/handshake.rs writes it (version 3: lane 0 of 1, no token, frames not sealed).
+    A stranger cannot go further: the Noise message that follows needs the rank's key."""
     g = group.encode()
-    return (b"PLAITHS" + bytes([2]) + epoch.to_bytes(8, "little") + frm.to_bytes(4, "little")
-            + to.to_bytes(4, "little") + world.to_bytes(4, "little") + bytes([0, 1]) + len(g).to_bytes(2, "little") + g)
+    return (b"PLAITHS" + bytes([3]) + epoch.to_bytes(8, "little") + frm.to_bytes(4, "little")
+            + to.to_bytes(4, "little") + world.to_bytes(4, "little") + bytes([0, 1, 0]) + len(g).to_bytes(2, "little") + g)
 
 
 def stranger(args):
