@@ -60,6 +60,8 @@ def test_unusable_token_and_encryption_settings_are_config_errors(tmp_path):
         ({"PLAIT_TOKEN": "a", "PLAIT_TOKEN_FILE": str(empty)}, "not both"),
         ({"PLAIT_TOKEN_FILE": str(empty)}, "is empty"),
         ({"PLAIT_TOKEN_FILE": str(tmp_path / "missing")}, "cannot be read"),
+        # `PLAIT_TOKEN=$UNSET_VAR` on every rank must not quietly turn the token off.
+        ({"PLAIT_TOKEN": "  "}, "set but blank"),
     ]
     for env, what in cases:
         [(out, code)] = _world([env], timeout_s=5)

@@ -217,3 +217,30 @@ def _catch(fn):
     except plait.PlaitError as e:
         return e
     return None
+
+
+def test_sequential_lets_another_thread_start_while_an_async_call_runs():
+    """c10d's contract orders calls by their starts: an asynchronous call may still be running
+    when another thread starts the next collective (the same order on every rank), and both
+    complete with the right sums."""
+    store = torch_dist.HashStore()
+
+    def rank(r):
+        with plait.Communicator(store, r, 2, timeout=10, threads="sequential") as c:
+            if r == 1:
+                time.sleep(0.3)  # so that rank 0's first call is still running when its second starts
+            issued, out = threading.Event(), {}
+
+            def first():
+                out["async"] = c.allreduce(np.full(4, r + 1.0), async_op=True)
+                issued.set()
+
+            th = threading.Thread(target=first, daemon=True)
+            th.start()
+            assert issued.wait(10)
+            out["blocking"] = c.allreduce(np.full(4, 10.0 * (r + 1)))
+            th.join(10)
+            return out["async"].result(10).tolist(), out["blocking"].tolist()
+
+    for first, second in _on_rank_threads(2, rank):
+        assert first == [3.0] * 4 and second == [30.0] * 4, (first, second)

@@ -16,6 +16,7 @@ mod comm;
 mod dtype;
 mod error;
 mod exec;
+mod failpoint;
 mod kernels;
 mod net;
 mod platform;

@@ -320,9 +320,14 @@ impl std::fmt::Debug for Token {
 /// `PLAIT_TOKEN` or the contents of `PLAIT_TOKEN_FILE`; setting both is an error, as is an
 /// empty or unreadable file.
 fn token() -> Result<Option<Token>> {
+    // Set but blank (`PLAIT_TOKEN=$UNSET`) must not quietly mean "no token".
+    if std::env::var_os("PLAIT_TOKEN").is_some() && setting("PLAIT_TOKEN").is_none() {
+        return Err(PlaitError::Config("PLAIT_TOKEN is set but blank: give it the shared secret, or unset it".into()));
+    }
     match (setting("PLAIT_TOKEN"), setting("PLAIT_TOKEN_FILE")) {
         (Some(_), Some(_)) => Err(PlaitError::Config("set PLAIT_TOKEN or PLAIT_TOKEN_FILE, not both".into())),
-        (Some(t), None) => Ok(Some(Token::new(t))),
+        // Trimmed as the file's contents are, so the two ways of giving it agree.
+        (Some(t), None) => Ok(Some(Token::new(t.trim()))),
         (None, Some(path)) => {
             let text = std::fs::read(&path).map_err(|e| PlaitError::Config(format!("PLAIT_TOKEN_FILE={path:?} cannot be read: {e}")))?;
             let secret = text.trim_ascii();
@@ -415,6 +420,7 @@ impl CommConfig {
             ("caller_read_bytes", BYTES_UP_TO, self.caller_read_bytes as f64),
             ("busy_poll (microseconds)", BUSY_POLL_US, self.busy_poll.as_micros() as f64),
             ("unexpected_bytes", UNEXPECTED_BYTES, self.unexpected_bytes as f64),
+            ("hello_timeout (seconds)", HELLO_TIMEOUT, self.hello_timeout.as_secs_f64()),
         ];
         for (name, range, v) in fields {
             if !range.contains(v) {

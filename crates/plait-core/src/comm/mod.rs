@@ -234,10 +234,13 @@ impl Communicator {
         let Plan { spec, sched, layout } = self.plan(&req)?;
         let (input, output) = (req.input, req.output);
         let me = self.clone();
-        self.submit(inline, self.caller_reads(inline, input.len.max(output.len)), Box::new(move || {
-            let _turn = turn;
+        let (run_turn, start_turn) = held_while(inline, turn);
+        let work = self.submit(inline, self.caller_reads(inline, input.len.max(output.len)), Box::new(move || {
+            let _turn = run_turn;
             run_collective(&me.session, &spec, &sched, &layout, input, output).map(|_| 0)
-        }))
+        }));
+        drop(start_turn);
+        work
     }
 
     /// This rank refuses its next collective (its arguments were bad; `reason` says how): the
@@ -328,12 +331,15 @@ impl Communicator {
         let Plan { mut spec, sched, layout } = self.plan(&req)?;
         spec.what = format!("barrier #{}", spec.seq).into();
         let me = self.clone();
-        self.submit(inline, inline, Box::new(move || {
-            let _turn = turn;
+        let (run_turn, start_turn) = held_while(inline, turn);
+        let work = self.submit(inline, inline, Box::new(move || {
+            let _turn = run_turn;
             let r = run_collective(&me.session, &spec, &sched, &layout, buf, buf).map(|_| 0);
             drop(token);
             r
-        }))
+        }));
+        drop(start_turn);
+        work
     }
 
     /// Runs `run` here (`inline`) or on a worker. `caller_reads`: this thread reads the links
@@ -390,6 +396,18 @@ impl Communicator {
         if let Some(l) = self.listener.lock().take() {
             l.close();
         }
+    }
+}
+
+/// How long a collective's turn lasts (see `ThreadUse::Sequential`): a blocking call holds it
+/// until it returns, since nothing its thread does can order another thread's call after it; an
+/// asynchronous one only until it is queued, in order, so that another thread may start the next
+/// call while it runs (torch's contract). Returns (the run's turn, the start's turn).
+fn held_while(inline: bool, turn: Turn) -> (Option<Turn>, Option<Turn>) {
+    if inline {
+        (Some(turn), None)
+    } else {
+        (None, Some(turn))
     }
 }
 

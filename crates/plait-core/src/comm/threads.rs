@@ -28,10 +28,11 @@ pub enum ThreadUse {
     #[default]
     Creator,
     /// Any thread, one at a time: the program orders its calls, the same on every rank (torch's
-    /// contract). A collective started while another thread's collective on this communicator
-    /// is still running is refused and breaks the communicator on every rank, since the running
-    /// call may already be paired with a different call elsewhere. Calls from several threads
-    /// that never overlap cannot be checked.
+    /// contract). A collective started while another thread is starting one, or while another
+    /// thread's blocking collective is still running, is refused and breaks the communicator on
+    /// every rank, since the running call may already be paired with a different call elsewhere.
+    /// An asynchronous call counts only until it is queued: another thread may start the next
+    /// call while it runs. Calls from several threads that never overlap cannot be checked.
     Sequential,
 }
 
@@ -83,7 +84,7 @@ struct Running {
 }
 
 /// A collective's turn: while it lives, the call counts as running (see `ThreadUse::Sequential`).
-/// Moved into the job of an asynchronous call, so that it ends when the call does.
+/// A blocking call keeps it until it returns; an asynchronous one until it is queued.
 pub(crate) struct Turn {
     threads: Option<Arc<Threads>>,
 }

@@ -210,7 +210,7 @@ impl Run<'_> {
         for s in 0..st.step.len() {
             self.advance(s, st)?;
         }
-        super::transfers::failpoint::hit("collective.drive");
+        crate::failpoint::hit("collective.drive");
         while st.done < st.step.len() {
             let wake = deadline.min(Instant::now() + Duration::from_millis(100));
             match self.transfers.next_event(wake, deadline) {
@@ -283,6 +283,7 @@ impl Run<'_> {
                         op_id: self.transfers.op_id(),
                         token: s as u32,
                         events: self.transfers.issue(),
+                        reported: false,
                     });
                 }
             }

@@ -64,7 +64,7 @@ pub(crate) fn start_recv(session: &Arc<Session>, src: Option<usize>, tag: u64, d
     let call = CallId { dtype: dtype as u8, ..Default::default() };
     let expect = Expect { call, count: (dst.len / dtype.size()) as u64, nbytes: dst.len as u64, what: what.clone() };
     let landing = Landing::Copy { dst: dst.ptr, keep: Some(keep) };
-    let posted = Posted { landing, len: dst.len, wire: Wire::Native, expect, op_id: transfers.op_id(), token: 0, events: transfers.issue() };
+    let posted = Posted { landing, len: dst.len, wire: Wire::Native, expect, op_id: transfers.op_id(), token: 0, events: transfers.issue(), reported: false };
     session.mailbox.post_p2p(src, tag, posted);
     Ok(P2pStarted { transfers, start, what, peer: src.unwrap_or(usize::MAX) })
 }
@@ -77,7 +77,7 @@ pub(crate) fn finish_p2p(session: &Session, p: P2pStarted, timeout: Duration) ->
         P2pMemory::Recv { .. } => "send",
     };
     let waited_for = if p.peer == usize::MAX { 0 } else { p.peer };
-    super::transfers::failpoint::hit("p2p.wait");
+    crate::failpoint::hit("p2p.wait");
     match wait_one(session, &p.transfers, p.start, timeout, &p.what, waited_for, doing) {
         Ok(source) => Ok(source),
         Err(err) => {

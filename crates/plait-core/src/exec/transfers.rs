@@ -16,8 +16,8 @@ use std::cell::Cell;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-/// How long a withdrawal waits for a transfer before it fails the communicator to make the
-/// link threads let go (a failed session shuts every socket, so blocked reads and writes return).
+/// How long a withdrawal waits for a transfer before it fails the communicator and shuts the
+/// links it uses (even a subgroup's, which are its owner's), so blocked reads and writes return.
 const DRAIN_PATIENCE: Duration = Duration::from_secs(10);
 
 /// Buffers an operation owns and lends to link threads (scratch, saved output, encoded sends).
@@ -69,8 +69,8 @@ impl<M: OpMemory> Transfers<M> {
 
     /// Withdraws the receives no frame has taken and waits until every other transfer has
     /// reported: afterwards no link thread touches this operation's memory. Never gives up while
-    /// one is under way: after `DRAIN_PATIENCE` it fails the communicator, which shuts the
-    /// sockets the stragglers are blocked on.
+    /// one is under way: after `DRAIN_PATIENCE` it fails the communicator and shuts the sockets
+    /// the stragglers are blocked on.
     pub fn withdraw(&self) {
         if self.outstanding.get() == 0 {
             return;
@@ -88,6 +88,8 @@ impl<M: OpMemory> Transfers<M> {
                         PlaitError::Broken(format!("{}: {} transfers did not finish after the operation ended", self.what, self.outstanding.get())),
                         true,
                     );
+                    // A subgroup's failure leaves its owner's links up: shut them too.
+                    self.session.shut_links();
                 }
             }
         }
@@ -102,30 +104,6 @@ impl<M: OpMemory> Drop for Transfers<M> {
         }
         self.withdraw();
         self.memory.give_back(&self.session.mailbox.pool);
-    }
-}
-
-/// Places in an operation where a test can make this thread panic, to check that a panic
-/// mid-operation leaves no transfer behind (`tests`). Compiled out of the library.
-pub(crate) mod failpoint {
-    #[cfg(test)]
-    thread_local! {
-        static ARMED: std::cell::Cell<Option<&'static str>> = const { std::cell::Cell::new(None) };
-    }
-
-    /// Panics here if a test armed `name` on this thread (once).
-    #[inline(always)]
-    pub(crate) fn hit(_name: &'static str) {
-        #[cfg(test)]
-        if ARMED.with(|a| a.get()) == Some(_name) {
-            ARMED.with(|a| a.set(None));
-            panic!("failpoint {_name}");
-        }
-    }
-
-    #[cfg(test)]
-    pub(crate) fn arm(name: &'static str) {
-        ARMED.with(|a| a.set(Some(name)));
     }
 }
 

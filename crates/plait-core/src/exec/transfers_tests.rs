@@ -1,7 +1,7 @@
 //! A panic in the middle of an operation (made by a failpoint) must leave no receive posted into
 //! memory the caller may free, and must fail the call on every rank with an error that says so.
 
-use super::failpoint;
+use crate::failpoint;
 use crate::{CollRequest, Collective, CommConfig, Communicator, DType, MemStore, RawBuf, ReduceOp};
 use std::sync::{Arc, Barrier};
 use std::time::Duration;
@@ -114,4 +114,46 @@ fn a_started_receive_dropped_unwaited_is_withdrawn() {
     });
     assert!(out[1].0, "a frame landed in the buffer of a receive that was dropped");
     assert_eq!(out[1].1, 0, "the dropped receive is still posted");
+}
+
+#[test]
+fn a_panic_while_a_stashed_message_is_landed_fails_the_call_instead_of_hanging() {
+    // Rank 1 enters late, so rank 0's frames wait in its stash and are landed on rank 1's own
+    // thread as it posts its receives: the failpoint panics there, with the receive taken.
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let out = two_ranks(|comm, barrier| {
+            let n = 1024;
+            let mut input = vec![1.0f32; n];
+            let mut output = vec![7.0f32; n];
+            if comm.rank() == 1 {
+                barrier.wait();
+                std::thread::sleep(Duration::from_millis(300));
+                failpoint::arm("mailbox.land_from_memory");
+            } else {
+                barrier.wait();
+            }
+            let req = CollRequest {
+                coll: Collective::AllReduce,
+                dtype: DType::F32,
+                op: ReduceOp::Sum,
+                root: 0,
+                input: RawBuf { ptr: input.as_mut_ptr() as *mut u8, len: n * 4 },
+                output: RawBuf { ptr: output.as_mut_ptr() as *mut u8, len: n * 4 },
+                send_counts: None,
+                recv_counts: None,
+                timeout: Some(Duration::from_secs(5)),
+                algo: None,
+                wire: None,
+            };
+            let result = unsafe { comm.collective(req, true) }.unwrap().wait(None).unwrap();
+            (result.map_err(|e| e.to_string()), output.iter().all(|&x| x == 7.0))
+        });
+        let _ = tx.send(out);
+    });
+    let out = rx.recv_timeout(Duration::from_secs(30)).expect("the call hung after a panic while landing a message");
+    let (result, untouched) = &out[1];
+    let err = result.clone().unwrap_err();
+    assert!(err.contains("panic"), "{err}");
+    assert!(*untouched, "the output was changed by a failed allreduce");
 }

@@ -543,6 +543,11 @@ fn handshake(mut s: TcpStream, addr: SocketAddr, id: u64, deadline: Instant, sha
     if let Some(why) = refused {
         return refuse(s, addr, Some(hello.from), why, shared);
     }
+    // The hello deadline is for strangers; a peer that sent a valid hello gets the usual time for
+    // the rest of the handshake (a short PLAIT_HELLO_TIMEOUT or a wait for a handshake thread
+    // must not drop a link the connector already counts as up).
+    let deadline = deadline.max(Instant::now() + HANDSHAKE_TIMEOUT);
+    let _ = s.set_write_timeout(Some(HANDSHAKE_TIMEOUT));
     let msg1 = match auth::read_msg(&mut s, deadline) {
         Ok(m) => m,
         Err(e) => return give_up(addr, &format!("no complete handshake message from rank {}: {e}", hello.from), shared),

@@ -43,10 +43,37 @@ pub struct Posted {
     pub op_id: u64,
     pub token: u32,
     pub events: Sender<Event>,
+    /// Set once the event is sent (or the receive withdrawn); see `Drop`.
+    pub reported: bool,
 }
 // SAFETY: the pointers refer to buffers the posting operation keeps alive until it has received
 // this receive's completion event or cancelled it.
 unsafe impl Send for Posted {}
+
+impl Posted {
+    /// Completes this receive: the one event its operation waits for.
+    pub fn report(mut self, result: Result<(), PlaitError>, source: usize) {
+        self.reported = true;
+        let _ = self.events.send(Event { token: self.token, result, source });
+    }
+
+    /// Forgets this receive without an event: its operation withdrew it and counts that itself.
+    fn withdrawn(mut self) {
+        self.reported = true;
+    }
+}
+
+/// Every posted receive reports exactly once: one dropped any other way (a panic while its
+/// message was landed, on a link's thread or the caller's) reports failure, so its operation
+/// does not wait for it forever.
+impl Drop for Posted {
+    fn drop(&mut self) {
+        if !self.reported {
+            let err = PlaitError::Internal(format!("{}: a receive ended without completing (a panic while its message was landed)", self.expect.what));
+            let _ = self.events.send(Event { token: self.token, result: Err(err), source: usize::MAX });
+        }
+    }
+}
 
 #[derive(Default)]
 struct Inner {
@@ -116,13 +143,13 @@ impl Mailbox {
             if let Some(err) = &inner.broken {
                 let err = err.clone();
                 drop(inner);
-                let _ = p.events.send(Event { token: p.token, result: Err(err), source: key.0 });
+                p.report(Err(err), key.0);
                 return;
             }
             if let Some((peer, reason)) = inner.refused.get(&key.2).filter(|_| key.1 == FrameKind::Data as u8) {
                 let err = PlaitError::Refused { op: p.expect.what.to_string(), peer: *peer, reason: reason.clone() };
                 drop(inner);
-                let _ = p.events.send(Event { token: p.token, result: Err(err), source: key.0 });
+                p.report(Err(err), key.0);
                 return;
             }
             match inner.stash.remove(&key) {
@@ -130,7 +157,7 @@ impl Mailbox {
                 None => {
                     if let Some(err) = inner.closed.get(&key.0).cloned() {
                         drop(inner);
-                        let _ = p.events.send(Event { token: p.token, result: Err(err), source: key.0 });
+                        p.report(Err(err), key.0);
                         return;
                     }
                     inner.posted.insert(key, p);
@@ -140,7 +167,7 @@ impl Mailbox {
         };
         let result = land_from_memory(key.0, &stashed.header, &stashed.data, &p);
         self.pool.give(stashed.data);
-        let _ = p.events.send(Event { token: p.token, result, source: key.0 });
+        p.report(result, key.0);
     }
 
     /// Posts a point-to-point receive from `src` (or any source when `None`) with `tag`.
@@ -149,7 +176,7 @@ impl Mailbox {
         if let Some(err) = &inner.broken {
             let err = err.clone();
             drop(inner);
-            let _ = p.events.send(Event { token: p.token, result: Err(err), source: src.unwrap_or(0) });
+            p.report(Err(err), src.unwrap_or(0));
             return;
         }
         let kind = FrameKind::P2p as u8;
@@ -169,12 +196,12 @@ impl Mailbox {
                 drop(inner);
                 let result = land_from_memory(peer, &s.header, &s.data, &p);
                 self.pool.give(s.data);
-                let _ = p.events.send(Event { token: p.token, result, source: peer });
+                p.report(result, peer);
             }
             None => {
                 if let Some(err) = inner.closed.get(&peer).cloned() {
                     drop(inner);
-                    let _ = p.events.send(Event { token: p.token, result: Err(err), source: peer });
+                    p.report(Err(err), peer);
                     return;
                 }
                 inner.posted.insert(key, p);
@@ -191,7 +218,7 @@ impl Mailbox {
             keys.into_iter().filter_map(|k| inner.posted.remove(&k)).collect()
         };
         for p in failed {
-            let _ = p.events.send(Event { token: p.token, result: Err(err.clone()), source: peer });
+            p.report(Err(err.clone()), peer);
         }
     }
 
@@ -217,13 +244,19 @@ impl Mailbox {
     /// Removes the receives `op_id` posted that no frame has taken yet; returns how many.
     pub fn cancel(&self, op_id: u64) -> usize {
         let mut inner = self.inner.lock();
-        let before = inner.posted.len();
-        inner.posted.retain(|_, p| p.op_id != op_id);
-        let mut removed = before - inner.posted.len();
+        let keys: Vec<Key> = inner.posted.iter().filter(|(_, p)| p.op_id == op_id).map(|(k, _)| *k).collect();
+        let mut removed = 0;
+        for k in keys {
+            if let Some(p) = inner.posted.remove(&k) {
+                p.withdrawn();
+                removed += 1;
+            }
+        }
         for list in inner.any_source.values_mut() {
-            let b = list.len();
-            list.retain(|p| p.op_id != op_id);
-            removed += b - list.len();
+            let (mine, others): (Vec<Posted>, Vec<Posted>) = std::mem::take(list).into_iter().partition(|p| p.op_id == op_id);
+            *list = others;
+            removed += mine.len();
+            mine.into_iter().for_each(Posted::withdrawn);
         }
         removed
     }
@@ -239,10 +272,10 @@ impl Mailbox {
             (inner.posted.drain().collect(), inner.any_source.drain().flat_map(|(_, v)| v).collect())
         };
         for (key, p) in posted {
-            let _ = p.events.send(Event { token: p.token, result: Err(err.clone()), source: key.0 });
+            p.report(Err(err.clone()), key.0);
         }
         for p in any {
-            let _ = p.events.send(Event { token: p.token, result: Err(err.clone()), source: 0 });
+            p.report(Err(err.clone()), 0);
         }
     }
 
@@ -261,7 +294,7 @@ impl Mailbox {
         };
         for (key, p) in failed {
             let err = PlaitError::Refused { op: p.expect.what.to_string(), peer, reason: reason.clone() };
-            let _ = p.events.send(Event { token: p.token, result: Err(err), source: key.0 });
+            p.report(Err(err), key.0);
         }
     }
 
@@ -311,13 +344,7 @@ impl Mailbox {
             if dropped {
                 return Ok(());
             }
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidData,
-                format!(
-                    "it sent {} after this rank had completed that operation: the ranks disagree about the call (root, counts or algorithm)",
-                    describe_header(h)
-                ),
-            ));
+            return Err(late_frame(h));
         }
         let key: Key = if h.kind == FrameKind::P2p as u8 {
             (peer, h.kind, h.seq, 0, 0, h.ordinal)
@@ -328,7 +355,7 @@ impl Mailbox {
         if let Some(p) = taken {
             return match land_from_stream(peer, h, payload, &p) {
                 Ok(result) => {
-                    let _ = p.events.send(Event { token: p.token, result, source: peer });
+                    p.report(result, peer);
                     if h.kind == FrameKind::P2p as u8 {
                         self.hand_on_overtaken(h.seq);
                     }
@@ -341,7 +368,7 @@ impl Mailbox {
                     match inner.broken.clone() {
                         Some(err) => {
                             drop(inner);
-                            let _ = p.events.send(Event { token: p.token, result: Err(err), source: peer });
+                            p.report(Err(err), peer);
                         }
                         None => {
                             inner.posted.insert(key, p);
@@ -366,9 +393,17 @@ impl Mailbox {
             drop(inner);
             let result = land_from_memory(peer, h, &data, &p);
             self.pool.give(data);
-            let _ = p.events.send(Event { token: p.token, result, source: peer });
+            p.report(result, peer);
             if h.kind == FrameKind::P2p as u8 {
                 self.hand_on_overtaken(h.seq);
+            }
+        } else if h.kind == FrameKind::Data as u8 && inner.is_finished(h.seq) {
+            // The call ended while this frame was read (a refusal): it would be held for good.
+            let dropped = inner.dropped.contains(&h.seq);
+            drop(inner);
+            self.pool.give(data);
+            if !dropped {
+                return Err(late_frame(h));
             }
         } else {
             inner.stash.insert(key, Stashed { header: *h, data });
@@ -414,7 +449,7 @@ impl Mailbox {
         for (peer, s, p) in ready {
             let result = land_from_memory(peer, &s.header, &s.data, &p);
             self.pool.give(s.data);
-            let _ = p.events.send(Event { token: p.token, result, source: peer });
+            p.report(result, peer);
         }
     }
 
@@ -482,6 +517,14 @@ fn check(peer: usize, h: &FrameHeader, p: &Posted) -> Result<(), PlaitError> {
     Ok(())
 }
 
+/// A frame of a call this rank had completed (not ended by a refusal).
+fn late_frame(h: &FrameHeader) -> io::Error {
+    io::Error::new(
+        io::ErrorKind::InvalidData,
+        format!("it sent {} after this rank had completed that operation: the ranks disagree about the call (root, counts or algorithm)", describe_header(h)),
+    )
+}
+
 pub(crate) fn describe_header(h: &FrameHeader) -> String {
     let coll = crate::sched::Collective::from_code(h.coll).map(|c| c.name()).unwrap_or("p2p");
     let dtype = DType::from_u8(h.dtype).map(|d| d.name()).unwrap_or("?");
@@ -500,6 +543,7 @@ fn land_from_stream(peer: usize, h: &FrameHeader, payload: &mut dyn Read, p: &Po
 }
 
 fn land_from_memory(peer: usize, h: &FrameHeader, data: &[u8], p: &Posted) -> Result<(), PlaitError> {
+    crate::failpoint::hit("mailbox.land_from_memory");
     check(peer, h, p)?;
     p.landing.from_memory(p.len, p.wire, data);
     Ok(())

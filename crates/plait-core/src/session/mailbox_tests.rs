@@ -15,6 +15,7 @@ fn posted(dst: &mut [u8], call: CallId, op_id: u64) -> (Posted, Receiver<Event>)
         op_id,
         token: 0,
         events: tx,
+        reported: false,
     };
     (p, rx)
 }
@@ -197,6 +198,7 @@ fn a_receive_keeps_what_it_overwrites_so_a_failure_can_restore_it() {
         op_id: 1,
         token: 0,
         events: tx,
+        reported: false,
     };
     m.post((1, FrameKind::Data as u8, 1, 0, 0, 0), p);
     deliver(&m, 1, &FrameHeader::data(&data_call(1), 0, 0, 0, 4, 4), b"new!").unwrap();

@@ -307,6 +307,16 @@ impl Session {
         err
     }
 
+    /// Shuts every link this session uses, even a subgroup's (which are its owner's, so the owner
+    /// fails too). The last resort of an operation whose transfers outlived its failure: a link
+    /// thread blocked on a socket (a frozen peer) lets go of the operation's memory only when the
+    /// socket is shut.
+    pub fn shut_links(&self) {
+        for link in self.links.iter().flatten() {
+            link.shutdown();
+        }
+    }
+
     /// Sends a control frame to every peer ahead of queued data and waits (bounded) until
     /// the frames are written, so that peers learn the reason before they see the socket close.
     pub fn broadcast_control(&self, kind: FrameKind, text: String, grace: Duration) {
