@@ -112,7 +112,9 @@ def test_readme_example_ddp_train_matches_gloo():
     runs = {}
     for backend in ("gloo", "plait"):
         rc, out = torchrun(EXAMPLES / "ddp_train.py", backend, nproc=3, args=["--steps", "5"])
-        if backend == "gloo" and rc != 0:  # the reference only: see result()
+        for _ in range(2):  # the reference only: gloo sometimes aborts a rank at exit, see result()
+            if backend != "gloo" or rc == 0:
+                break
             rc, out = torchrun(EXAMPLES / "ddp_train.py", backend, nproc=3, args=["--steps", "5"])
         assert rc == 0, f"ddp_train.py --backend {backend} exited {rc}:\n{_tail(out)}"
         runs[backend] = [float(m) for m in re.findall(r"^step\s+\d+\s+loss ([0-9.eE+-]+)", out, re.M)]
