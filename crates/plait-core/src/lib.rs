@@ -14,6 +14,7 @@
 mod codec;
 mod comm;
 mod dtype;
+mod elastic;
 mod error;
 mod exec;
 mod failpoint;
