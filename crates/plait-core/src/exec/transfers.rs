@@ -59,7 +59,6 @@ impl<M: OpMemory> Transfers<M> {
         self.tx.clone()
     }
 
-
     /// The next report of one of these transfers, waiting until `until` (see `wait::next_event`).
     pub fn next_event(&self, until: Instant, frame_deadline: Instant) -> Result<Event, RecvTimeoutError> {
         let ev = next_event(&self.session, &self.rx, until, frame_deadline)?;
@@ -100,7 +99,7 @@ impl<M: OpMemory> Drop for Transfers<M> {
     fn drop(&mut self) {
         if self.outstanding.get() > 0 && std::thread::panicking() {
             // The rest of the call will never be run here: the peers must not wait for it.
-            self.session.fail(PlaitError::Broken(format!("{}: internal error (a panic) on this rank during the call", self.what)), true);
+            self.session.fail(PlaitError::Internal(format!("{}: a panic on this rank during the call", self.what)), true);
         }
         self.withdraw();
         self.memory.give_back(&self.session.mailbox.pool);

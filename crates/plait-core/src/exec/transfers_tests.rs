@@ -27,6 +27,23 @@ fn two_ranks<T: Send + 'static>(f: impl Fn(Arc<Communicator>, &Barrier) -> T + S
     handles.into_iter().map(|h| h.join().unwrap()).collect()
 }
 
+/// An f32 sum allreduce from `input` into `output` (the caller keeps both until it has waited).
+fn sum_f32(input: &mut [f32], output: &mut [f32], timeout: Option<Duration>) -> CollRequest {
+    CollRequest {
+        coll: Collective::AllReduce,
+        dtype: DType::F32,
+        op: ReduceOp::Sum,
+        root: 0,
+        input: RawBuf { ptr: input.as_mut_ptr() as *mut u8, len: input.len() * 4 },
+        output: RawBuf { ptr: output.as_mut_ptr() as *mut u8, len: output.len() * 4 },
+        send_counts: None,
+        recv_counts: None,
+        timeout,
+        algo: None,
+        wire: None,
+    }
+}
+
 #[test]
 fn a_receive_that_panics_while_waiting_is_withdrawn_before_its_buffer_is_released() {
     let out = two_ranks(|comm, barrier| {
@@ -63,19 +80,7 @@ fn a_collective_that_panics_midway_restores_nothing_late_and_fails_every_rank() 
         if comm.rank() == 1 {
             failpoint::arm("collective.drive");
         }
-        let req = CollRequest {
-            coll: Collective::AllReduce,
-            dtype: DType::F32,
-            op: ReduceOp::Sum,
-            root: 0,
-            input: RawBuf { ptr: input.as_mut_ptr() as *mut u8, len: n * 4 },
-            output: RawBuf { ptr: output.as_mut_ptr() as *mut u8, len: n * 4 },
-            send_counts: None,
-            recv_counts: None,
-            timeout: None,
-            algo: None,
-            wire: None,
-        };
+        let req = sum_f32(&mut input, &mut output, None);
         let result = unsafe { comm.collective(req, true) }.unwrap().wait(None).unwrap();
         let posted = comm.session().mailbox.posted_len();
         (result.map_err(|e| e.to_string()), output.iter().all(|&x| x == 7.0), posted)
@@ -133,19 +138,7 @@ fn a_panic_while_a_stashed_message_is_landed_fails_the_call_instead_of_hanging()
             } else {
                 barrier.wait();
             }
-            let req = CollRequest {
-                coll: Collective::AllReduce,
-                dtype: DType::F32,
-                op: ReduceOp::Sum,
-                root: 0,
-                input: RawBuf { ptr: input.as_mut_ptr() as *mut u8, len: n * 4 },
-                output: RawBuf { ptr: output.as_mut_ptr() as *mut u8, len: n * 4 },
-                send_counts: None,
-                recv_counts: None,
-                timeout: Some(Duration::from_secs(5)),
-                algo: None,
-                wire: None,
-            };
+            let req = sum_f32(&mut input, &mut output, Some(Duration::from_secs(5)));
             let result = unsafe { comm.collective(req, true) }.unwrap().wait(None).unwrap();
             (result.map_err(|e| e.to_string()), output.iter().all(|&x| x == 7.0))
         });
