@@ -87,9 +87,10 @@ class Communicator:
     InvalidArgumentError before anything is sent. For several threads, give each its own
     subgroup, created on that thread (`comm.subgroup(ranks, name)`). `threads="sequential"` lets
     any thread call, one at a time, when your program orders the calls the same on every rank: a
-    collective started while another thread's is still running raises InvalidArgumentError and
-    breaks the communicator on every rank (it may have been paired with a different call on
-    another rank); calls that never overlap cannot be checked. Waiting for a Work, `abort()`,
+    collective started while another thread is starting one, or while another thread's blocking
+    collective is still running, raises InvalidArgumentError and breaks the communicator on every
+    rank (it may have been paired with a different call on another rank); an async_op=True call
+    counts only until it is issued; calls that never overlap cannot be checked. Waiting for a Work, `abort()`,
     `close()`, `send` and `recv` (matched per peer and tag) work from any thread.
     """
 
