@@ -1,17 +1,28 @@
 //! Agreeing on the next view: single-decree Paxos per epoch (see `docs/elastic.md`, "The view
 //! change"). Pure state, no I/O: a `Member` takes a message and returns the messages to send, so
 //! the protocol can be simulated with every delay, loss, crash and partition (`agree_sim.rs`).
+//!
+//! The value decided is the next view together with `done`, the last operation of the previous
+//! epoch that stands: built from the members that promised (each promise carries the member's
+//! `last_done`, frozen when it promised), so no member of the new view has to undo or redo
+//! anything it did not report.
 
+use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet};
 
 /// A member's identity; lower is more senior (joined earlier).
 pub type MemberId = u64;
 
 /// A view: the epoch and its members, most senior first.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct View {
     pub epoch: u64,
     pub members: Vec<MemberId>,
+    /// Operations of epoch `epoch - 1` numbered up to `done` completed on every member; later
+    /// ones failed everywhere.
+    pub done: u64,
+    /// Where each member's control plane listens ("host:port"); facts carried with the view.
+    pub contacts: BTreeMap<MemberId, String>,
 }
 
 impl View {
@@ -19,21 +30,27 @@ impl View {
     pub fn majority(&self) -> usize {
         self.members.len() / 2 + 1
     }
+
+    /// The first view of a group: its founder alone.
+    pub fn founded(id: MemberId, contact: String) -> View {
+        View { epoch: 0, members: vec![id], done: 0, contacts: BTreeMap::from([(id, contact)]) }
+    }
 }
 
 /// Proposals for one epoch are ordered by round, then by the proposer's id.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 pub struct Ballot {
     pub round: u64,
     pub proposer: MemberId,
 }
 
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Msg {
     /// Phase 1a, for epoch `epoch`.
     Prepare { epoch: u64, ballot: Ballot },
-    /// Phase 1b: the promise, with what this member already accepted for `epoch`.
-    Promise { epoch: u64, ballot: Ballot, accepted: Option<(Ballot, View)> },
+    /// Phase 1b: the promise, with what this member already accepted for `epoch`, and its last
+    /// completed operation of the current epoch (it completes no other once it has promised).
+    Promise { epoch: u64, ballot: Ballot, accepted: Option<(Ballot, View)>, last_done: u64 },
     /// Phase 2a.
     Accept { epoch: u64, ballot: Ballot, view: View },
     /// Phase 2b.
@@ -47,8 +64,12 @@ pub enum Msg {
 /// A proposal this member is driving.
 struct Proposal {
     ballot: Ballot,
-    wanted: View,
-    promises: BTreeMap<MemberId, Option<(Ballot, View)>>,
+    /// The members of the current view the proposer waits for before choosing (those it does
+    /// not suspect); with a majority and `decide`, it chooses without the rest.
+    expect: BTreeSet<MemberId>,
+    /// Members to add, with their contacts.
+    joiners: Vec<(MemberId, String)>,
+    promises: BTreeMap<MemberId, (Option<(Ballot, View)>, u64)>,
     /// The value sent in phase 2, once chosen.
     value: Option<View>,
     accepted: BTreeSet<MemberId>,
@@ -58,6 +79,9 @@ pub struct Member {
     pub id: MemberId,
     /// The last view this member committed.
     pub view: View,
+    /// The last operation of this epoch this member completed; the runtime freezes it before it
+    /// hands over a `Prepare` or an `Accept` (`docs/elastic.md`, "One outcome per operation").
+    pub last_done: u64,
     /// For epoch `view.epoch + 1`: the highest ballot promised, and what was accepted.
     promised: Option<Ballot>,
     accepted: Option<(Ballot, View)>,
@@ -70,22 +94,60 @@ pub type Out = Vec<(MemberId, Msg)>;
 
 impl Member {
     pub fn new(id: MemberId, view: View) -> Member {
-        Member { id, view, promised: None, accepted: None, max_round: 0, proposal: None }
+        Member { id, view, last_done: 0, promised: None, accepted: None, max_round: 0, proposal: None }
     }
 
     fn next_epoch(&self) -> u64 {
         self.view.epoch + 1
     }
 
-    /// Starts (or restarts, with a higher ballot) a proposal for the next view; `wanted` is what
-    /// this member would like if nothing was accepted yet. Its epoch must be the next one.
-    pub fn propose(&mut self, wanted: View) -> Out {
-        assert_eq!(wanted.epoch, self.next_epoch(), "a proposal is for the next epoch");
+    /// Starts (or restarts, with a higher ballot) a proposal for the next view: the members of
+    /// this view that promise, in their order, then `joiners`. `expect`: the members it waits
+    /// for (see `Proposal::expect`).
+    pub fn propose(&mut self, expect: BTreeSet<MemberId>, joiners: Vec<(MemberId, String)>) -> Out {
         self.max_round += 1;
         let ballot = Ballot { round: self.max_round, proposer: self.id };
-        self.proposal = Some(Proposal { ballot, wanted, promises: BTreeMap::new(), value: None, accepted: BTreeSet::new() });
+        self.proposal = Some(Proposal { ballot, expect, joiners, promises: BTreeMap::new(), value: None, accepted: BTreeSet::new() });
         let epoch = self.next_epoch();
         self.view.members.iter().map(|&m| (m, Msg::Prepare { epoch, ballot })).collect()
+    }
+
+    /// Whether this member drives a proposal that has not chosen its value yet.
+    pub fn proposing(&self) -> bool {
+        self.proposal.as_ref().is_some_and(|p| p.value.is_none())
+    }
+
+    /// Chooses the value now if a majority promised, without waiting for the rest of `expect`.
+    pub fn decide(&mut self) -> Out {
+        self.choose(false)
+    }
+
+    /// Phase 2a once a majority promised (and, with `wait_for_expected`, every expected member):
+    /// the view some majority may already have chosen, or else the promisers and the joiners.
+    fn choose(&mut self, wait_for_expected: bool) -> Out {
+        let majority = self.view.majority();
+        let epoch = self.next_epoch();
+        let Some(p) = self.proposal.as_mut().filter(|p| p.value.is_none()) else { return Vec::new() };
+        if p.promises.len() < majority || (wait_for_expected && !p.expect.iter().all(|m| p.promises.contains_key(m))) {
+            return Vec::new();
+        }
+        let earlier = p.promises.values().filter_map(|(a, _)| a.as_ref()).max_by_key(|(b, _)| *b).map(|(_, v)| v.clone());
+        let value = earlier.unwrap_or_else(|| {
+            let mut members: Vec<MemberId> = self.view.members.iter().copied().filter(|m| p.promises.contains_key(m)).collect();
+            let mut contacts: BTreeMap<MemberId, String> =
+                members.iter().filter_map(|m| self.view.contacts.get(m).map(|c| (*m, c.clone()))).collect();
+            for (j, contact) in &p.joiners {
+                if !members.contains(j) {
+                    members.push(*j);
+                    contacts.insert(*j, contact.clone());
+                }
+            }
+            let done = p.promises.values().map(|(_, d)| *d).min().unwrap_or(0);
+            View { epoch, members, done, contacts }
+        });
+        p.value = Some(value.clone());
+        let ballot = p.ballot;
+        self.view.members.iter().map(|&m| (m, Msg::Accept { epoch, ballot, view: value.clone() })).collect()
     }
 
     /// Handles `msg` from `from`; returns what to send.
@@ -116,7 +178,7 @@ impl Member {
                     return Vec::new();
                 }
                 self.promised = Some(ballot);
-                vec![(from, Msg::Promise { epoch: next, ballot, accepted: self.accepted.clone() })]
+                vec![(from, Msg::Promise { epoch: next, ballot, accepted: self.accepted.clone(), last_done: self.last_done })]
             }
             Msg::Accept { ballot, view, .. } => {
                 self.max_round = self.max_round.max(ballot.round);
@@ -127,21 +189,13 @@ impl Member {
                 self.accepted = Some((ballot, view));
                 vec![(from, Msg::Accepted { epoch: next, ballot })]
             }
-            Msg::Promise { epoch, ballot, accepted } => {
+            Msg::Promise { epoch, ballot, accepted, last_done } => {
                 if epoch != next || !self.view.members.contains(&from) {
                     return Vec::new();
                 }
-                let majority = self.view.majority();
-                let members = self.view.members.clone();
                 let Some(p) = self.proposal.as_mut().filter(|p| p.ballot == ballot && p.value.is_none()) else { return Vec::new() };
-                p.promises.insert(from, accepted);
-                if p.promises.len() < majority {
-                    return Vec::new();
-                }
-                // A view some majority may already have chosen must be proposed again.
-                let value = p.promises.values().flatten().max_by_key(|(b, _)| *b).map(|(_, v)| v.clone()).unwrap_or_else(|| p.wanted.clone());
-                p.value = Some(value.clone());
-                members.into_iter().map(|m| (m, Msg::Accept { epoch, ballot, view: value.clone() })).collect()
+                p.promises.insert(from, (accepted, last_done));
+                self.choose(true)
             }
             Msg::Accepted { epoch, ballot } => {
                 if epoch != next || !self.view.members.contains(&from) {
@@ -164,6 +218,7 @@ impl Member {
 
     fn adopt(&mut self, view: View) {
         self.view = view;
+        self.last_done = 0;
         self.promised = None;
         self.accepted = None;
         self.max_round = 0;

@@ -1,8 +1,9 @@
 //! Deterministic simulation of the view agreement: seeded runs with members proposing at once,
 //! messages delayed (delivered in any order), lost, cut by partitions, and members crashing.
 //! Checks the invariants of `docs/elastic.md`: one view per epoch; a committed view was accepted
-//! by a majority of the previous one; and, once the network heals, a view is committed that every
-//! live member adopts.
+//! by a majority of the previous one; one outcome per operation (`done` is no later than any
+//! surviving member's last completed operation, and covers an operation every member completed);
+//! and, once the network heals, a view is committed that every live member adopts.
 
 use super::*;
 use std::collections::HashMap;
@@ -40,13 +41,28 @@ struct World {
     accepts: HashMap<(u64, Ballot), (View, BTreeSet<MemberId>)>,
 }
 
+/// The last operation member `m` completed in epoch `e`: every member completes operation
+/// `1 + e % 3`, except a third of them (chosen by hash), which are one behind when it fails.
+fn last_done(m: MemberId, e: u64) -> u64 {
+    let all = 1 + e % 3;
+    all - ((m.wrapping_mul(31).wrapping_add(e.wrapping_mul(17)) % 3 == 0) as u64)
+}
+
 impl World {
     fn new(n: usize) -> World {
-        let first = View { epoch: 0, members: (0..n as u64).collect() };
+        let members: Vec<MemberId> = (0..n as u64).collect();
+        let contacts = members.iter().map(|&m| (m, format!("m{m}"))).collect();
+        let first = View { epoch: 0, members, done: 0, contacts };
         let mut committed = HashMap::new();
         committed.insert(0, first.clone());
         World {
-            members: (0..n as u64).map(|id| Member::new(id, first.clone())).collect(),
+            members: (0..n as u64)
+                .map(|id| {
+                    let mut m = Member::new(id, first.clone());
+                    m.last_done = last_done(id, 0);
+                    m
+                })
+                .collect(),
             crashed: vec![false; n],
             wire: Vec::new(),
             cut: None,
@@ -85,6 +101,7 @@ impl World {
         self.send(to, out);
         let view = self.members[to as usize].view.clone();
         if view.epoch != before {
+            self.members[to as usize].last_done = last_done(to, view.epoch);
             self.check_commit(&view);
         }
     }
@@ -101,6 +118,12 @@ impl World {
                 *e == view.epoch && v == view && who.iter().filter(|m| previous.members.contains(m)).count() >= previous.majority()
             });
             assert!(backed, "epoch {} committed without a majority of {:?}", view.epoch, previous.members);
+            let e = previous.epoch;
+            for m in view.members.iter().filter(|m| previous.members.contains(m)) {
+                assert!(view.done <= last_done(*m, e), "epoch {}: done {} is past member {m}'s last operation", view.epoch, view.done);
+            }
+            let everywhere = previous.members.iter().map(|&m| last_done(m, e)).min().unwrap_or(0);
+            assert!(view.done >= everywhere, "epoch {}: operation {everywhere} completed everywhere but done is {}", view.epoch, view.done);
         }
         self.committed.insert(view.epoch, view.clone());
     }
@@ -109,23 +132,25 @@ impl World {
         (0..self.members.len()).filter(|&i| !self.crashed[i]).collect()
     }
 
-    /// Member `i` proposes its view without the members it knows crashed, and with `extra` (a
-    /// joiner, or a member it wrongly suspects, by the caller's choice) added or removed, so
-    /// that rival proposals carry different values.
+    /// Member `i` proposes, waiting for the members it does not know crashed, and with `extra`
+    /// (a joiner, or a member it wrongly suspects, by the caller's choice) added or not waited
+    /// for, so that rival proposals carry different values.
     fn propose(&mut self, i: usize, extra: Option<MemberId>) {
         let m = &self.members[i];
-        let mut members: Vec<MemberId> = m.view.members.iter().copied().filter(|&x| (x as usize) >= self.crashed.len() || !self.crashed[x as usize]).collect();
+        let mut expect: BTreeSet<MemberId> = m.view.members.iter().copied().filter(|&x| (x as usize) >= self.crashed.len() || !self.crashed[x as usize]).collect();
+        let mut joiners = Vec::new();
         if let Some(x) = extra {
-            match members.iter().position(|&y| y == x) {
-                Some(at) if members.len() > 1 => {
-                    members.remove(at);
-                }
-                Some(_) => {}
-                None => members.push(x),
+            if !expect.remove(&x) && !m.view.members.contains(&x) {
+                joiners.push((x, format!("m{x}")));
             }
         }
-        let wanted = View { epoch: m.view.epoch + 1, members };
-        let out = self.members[i].propose(wanted);
+        let out = self.members[i].propose(expect, joiners);
+        self.send(i as u64, out);
+    }
+
+    /// Member `i` stops waiting for promises beyond a majority.
+    fn decide(&mut self, i: usize) {
+        let out = self.members[i].decide();
         self.send(i as u64, out);
     }
 }
@@ -151,6 +176,12 @@ fn chaos(seed: u64, crashes: bool, rivals: bool) -> World {
                     // Joiners (ids from 100) never run here: they only appear in views.
                     let extra = if rivals && rng.chance(40) { Some(if rng.chance(50) { 100 + rng.below(3) } else { rng.below(n as u64) }) } else { None };
                     w.propose(i, extra);
+                }
+            }
+            88..=91 => {
+                let live = w.live();
+                if !live.is_empty() {
+                    w.decide(live[rng.below(live.len() as u64) as usize]);
                 }
             }
             80..=82 if crashes => {
@@ -186,19 +217,27 @@ fn once_the_network_heals_every_live_member_commits_the_same_new_view() {
         let mut w = chaos(seed, false, false);
         w.cut = None;
         let start = w.members.iter().map(|m| m.view.epoch).max().unwrap();
-        // The most senior member proposes until everyone is past `start`; nothing is lost now.
+        // The most senior member of the newest view proposes until its members are past `start`;
+        // nothing is lost now. A member left out while it was cut off (evicted) is not waited for.
+        let newest = |w: &World| w.members.iter().map(|m| m.view.clone()).max_by_key(|v| v.epoch).unwrap();
         for _ in 0..20 {
-            w.propose(0, None);
+            let leader = newest(&w).members[0] as usize;
+            w.propose(leader, None);
             while !w.wire.is_empty() {
                 w.deliver(0, false);
             }
-            if w.members.iter().all(|m| m.view.epoch > start) {
+            w.decide(leader);
+            while !w.wire.is_empty() {
+                w.deliver(0, false);
+            }
+            let v = newest(&w);
+            if v.epoch > start && v.members.iter().all(|&m| w.members[m as usize].view == v) {
                 break;
             }
         }
-        let first = w.members[0].view.clone();
+        let first = newest(&w);
         assert!(first.epoch > start, "seed {seed}: no view committed after the network healed");
-        for m in &w.members {
+        for m in w.members.iter().filter(|m| first.members.contains(&m.id)) {
             assert_eq!(m.view, first, "seed {seed}: member {} did not adopt the new view", m.id);
         }
         progressed += (start > 0) as usize;
