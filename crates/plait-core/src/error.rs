@@ -32,6 +32,15 @@ pub enum PlaitError {
     /// The communicator already failed (or was closed); it must be rebuilt.
     #[error("communicator is no longer usable: {0}")]
     Broken(String),
+    /// Elastic mode: a member was lost while this operation was under way (or the view changed
+    /// before it started); it failed on every member, the buffer is as it was, and the group
+    /// goes on in `epoch` without `lost`. Retrying runs it over the new view.
+    #[error("{}the group lost {lost}; this operation failed on every member and changed nothing; the group goes on in epoch {epoch} with {members} member(s): retry it", op_prefix(op))]
+    PeerLost { op: String, epoch: u64, members: usize, lost: String },
+    /// Elastic mode: the group went on without this member (it was cut off or too slow); it must
+    /// join again.
+    #[error("this member is no longer in the group: {0}")]
+    Evicted(String),
     #[error("rendezvous: {0}")]
     Rendezvous(String),
     #[error("I/O: {0}")]
@@ -105,6 +114,8 @@ impl PlaitError {
             PlaitError::InvalidArgument(_) | PlaitError::Refused { .. } => "invalid",
             PlaitError::Config(_) => "config",
             PlaitError::Peer { .. } => "peer",
+            PlaitError::PeerLost { .. } => "peer_lost",
+            PlaitError::Evicted(_) => "evicted",
             PlaitError::Timeout { .. } => "timeout",
             PlaitError::Mismatch { .. } => "mismatch",
             PlaitError::Aborted { .. } => "aborted",

@@ -15,6 +15,11 @@ class PlaitError(Exception):
     """Base class of every error plait raises."""
 class PeerError(PlaitError):
     """A peer died, closed or reset its link, or reported its own failure."""
+class PeerLost(PeerError):
+    """Elastic mode: a member was lost during this operation; it failed on every member and the
+    buffer is as it was. Retry it: it runs over the new view (`comm.world_size` has changed)."""
+class EvictedError(PlaitError):
+    """Elastic mode: the group went on without this member; join again."""
 class PlaitTimeoutError(PlaitError, TimeoutError):
     """An operation passed its deadline."""
 class AbortedError(PlaitError):
@@ -44,6 +49,8 @@ fn to_py(err: PlaitError) -> PyErr {
             PlaitError::InvalidArgument(_) | PlaitError::Refused { .. } => "InvalidArgumentError",
             PlaitError::Config(_) => "ConfigError",
             PlaitError::Peer { .. } | PlaitError::Io(_) => "PeerError",
+            PlaitError::PeerLost { .. } => "PeerLost",
+            PlaitError::Evicted(_) => "EvictedError",
             PlaitError::Timeout { .. } => "PlaitTimeoutError",
             PlaitError::Mismatch { .. } => "MismatchError",
             PlaitError::Aborted { .. } => "AbortedError",
@@ -606,7 +613,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let ns = PyDict::new(py);
     py.run(&std::ffi::CString::new(EXCEPTIONS).unwrap(), Some(&ns), Some(&ns))?;
     for name in [
-        "PlaitError", "PeerError", "PlaitTimeoutError", "AbortedError", "MismatchError", "BrokenError",
+        "PlaitError", "PeerError", "PeerLost", "EvictedError", "PlaitTimeoutError", "AbortedError", "MismatchError", "BrokenError",
         "RendezvousError", "ConfigError", "InvalidArgumentError",
     ] {
         let cls = ns.get_item(name)?.expect("defined above");

@@ -21,6 +21,10 @@ pub struct View {
     /// Operations of epoch `epoch - 1` numbered up to `done` completed on every member; later
     /// ones failed everywhere.
     pub done: u64,
+    /// The change was forced (a failure): the operation after `done` fails on every member of
+    /// the old view, whether or not it had started it. A change at an update point, where no
+    /// operation is under way, is not forced: that operation is the new epoch's first.
+    pub forced: bool,
     /// Where each member's control plane listens ("host:port"); facts carried with the view.
     pub contacts: BTreeMap<MemberId, String>,
 }
@@ -33,7 +37,7 @@ impl View {
 
     /// The first view of a group: its founder alone.
     pub fn founded(id: MemberId, contact: String) -> View {
-        View { epoch: 0, members: vec![id], done: 0, contacts: BTreeMap::from([(id, contact)]) }
+        View { epoch: 0, members: vec![id], done: 0, forced: false, contacts: BTreeMap::from([(id, contact)]) }
     }
 }
 
@@ -69,6 +73,7 @@ struct Proposal {
     expect: BTreeSet<MemberId>,
     /// Members to add, with their contacts.
     joiners: Vec<(MemberId, String)>,
+    forced: bool,
     promises: BTreeMap<MemberId, (Option<(Ballot, View)>, u64)>,
     /// The value sent in phase 2, once chosen.
     value: Option<View>,
@@ -103,11 +108,11 @@ impl Member {
 
     /// Starts (or restarts, with a higher ballot) a proposal for the next view: the members of
     /// this view that promise, in their order, then `joiners`. `expect`: the members it waits
-    /// for (see `Proposal::expect`).
-    pub fn propose(&mut self, expect: BTreeSet<MemberId>, joiners: Vec<(MemberId, String)>) -> Out {
+    /// for (see `Proposal::expect`); `forced`: see `View::forced`.
+    pub fn propose(&mut self, expect: BTreeSet<MemberId>, joiners: Vec<(MemberId, String)>, forced: bool) -> Out {
         self.max_round += 1;
         let ballot = Ballot { round: self.max_round, proposer: self.id };
-        self.proposal = Some(Proposal { ballot, expect, joiners, promises: BTreeMap::new(), value: None, accepted: BTreeSet::new() });
+        self.proposal = Some(Proposal { ballot, expect, joiners, forced, promises: BTreeMap::new(), value: None, accepted: BTreeSet::new() });
         let epoch = self.next_epoch();
         self.view.members.iter().map(|&m| (m, Msg::Prepare { epoch, ballot })).collect()
     }
@@ -143,7 +148,7 @@ impl Member {
                 }
             }
             let done = p.promises.values().map(|(_, d)| *d).min().unwrap_or(0);
-            View { epoch, members, done, contacts }
+            View { epoch, members, done, forced: p.forced, contacts }
         });
         p.value = Some(value.clone());
         let ballot = p.ballot;

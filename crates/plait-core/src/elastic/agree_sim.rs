@@ -52,7 +52,7 @@ impl World {
     fn new(n: usize) -> World {
         let members: Vec<MemberId> = (0..n as u64).collect();
         let contacts = members.iter().map(|&m| (m, format!("m{m}"))).collect();
-        let first = View { epoch: 0, members, done: 0, contacts };
+        let first = View { epoch: 0, members, done: 0, forced: false, contacts };
         let mut committed = HashMap::new();
         committed.insert(0, first.clone());
         World {
@@ -144,7 +144,8 @@ impl World {
                 joiners.push((x, format!("m{x}")));
             }
         }
-        let out = self.members[i].propose(expect, joiners);
+        let forced = extra.is_none();
+        let out = self.members[i].propose(expect, joiners, forced);
         self.send(i as u64, out);
     }
 

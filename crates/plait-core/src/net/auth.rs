@@ -106,12 +106,7 @@ impl LinkAuth {
             .generate_keypair()
             .map_err(|e| PlaitError::Io(format!("cannot generate this rank's link key: {e}")))?;
         let public = kp.public.as_slice().try_into().expect("a 32-byte X25519 key");
-        let psk = token.map(|t| {
-            let mut h = Blake2s256::new();
-            h.update(b"plait token v1\n");
-            h.update(t);
-            h.finalize().into()
-        });
+        let psk = token.map(|t| token_key(b"plait token v1\n", t));
         Ok(LinkAuth { private: kp.private, public, psk, encrypt, peers: Mutex::new(Peers::Unknown), peers_known: Condvar::new() })
     }
 
@@ -292,6 +287,15 @@ pub(super) fn read_msg(s: &mut TcpStream, deadline: Instant) -> io::Result<Vec<u
 }
 
 /// Public keys as they travel in the store: hex.
+/// The 32-byte pre-shared key a handshake mixes in, from `PLAIT_TOKEN`; `label` keeps the keys
+/// of different uses (data links, control links) apart.
+pub(crate) fn token_key(label: &[u8], token: &[u8]) -> [u8; KEY_LEN] {
+    let mut h = Blake2s256::new();
+    h.update(label);
+    h.update(token);
+    h.finalize().into()
+}
+
 pub fn key_to_hex(key: &PublicKey) -> String {
     key.iter().map(|b| format!("{b:02x}")).collect()
 }

@@ -1,0 +1,792 @@
+//! The control plane of one member of an elastic group: control links to every other member,
+//! heartbeats and suspicion, the view agreement (`agree`) driven over the links, joiners waiting
+//! for an update point, and the bootstrap records of each epoch (the store its mesh is built
+//! from, replicated to every member, so no process holds it alone).
+//!
+//! One driver thread owns every decision: link readers and callers hand it events, and a tick
+//! (an eighth of the heartbeat timeout) sends heartbeats, names silent members and moves stalled
+//! proposals on. Callers read the state under its lock and wait on its condition variable.
+
+use super::agree::{Member, MemberId, Msg, View};
+use super::link::{Ctl, CtlLink};
+use crate::error::{PlaitError, Result};
+use crossbeam_channel::{Receiver, Sender};
+use parking_lot::{Condvar, Mutex};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// What a member's control plane is told at start.
+#[derive(Clone)]
+pub(crate) struct ControlConfig {
+    pub group: String,
+    pub token: Option<Vec<u8>>,
+    /// A member silent this long is suspected (`PLAIT_HEARTBEAT_TIMEOUT`).
+    pub heartbeat_timeout: Duration,
+    /// How long a handshake or a dial may take.
+    pub connect_timeout: Duration,
+}
+
+/// What an epoch's outcome was, for the operations of the epoch before it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Decision {
+    pub done: u64,
+    pub forced: bool,
+}
+
+enum Event {
+    Linked { id: MemberId, link: Arc<CtlLink>, joiner: Option<String> },
+    Message(MemberId, Ctl),
+    Down { id: MemberId, link: Arc<CtlLink>, why: String },
+    Suspect { epoch: u64, who: MemberId, why: String },
+    /// An update point found joiners waiting: the leader proposes a change that is not forced.
+    Admit { epoch: u64 },
+    /// Something failed with no one to blame (a bootstrap that timed out): a forced change.
+    Change { epoch: u64, why: String },
+}
+
+struct State {
+    agree: Member,
+    /// Set once this process is in a committed view; a joiner before that ignores views
+    /// without itself.
+    member: bool,
+    links: HashMap<MemberId, Arc<CtlLink>>,
+    heard: HashMap<MemberId, Instant>,
+    said: HashMap<MemberId, Instant>,
+    suspects: BTreeMap<MemberId, String>,
+    /// Suspicions already passed to the leader.
+    told: BTreeSet<MemberId>,
+    /// A change is wanted (Some(forced)) though nobody is suspected.
+    wanted: Option<bool>,
+    /// Joiners waiting for an update point, with their contacts.
+    pending: BTreeMap<MemberId, String>,
+    /// Bootstrap records: key -> (epoch, value).
+    kv: HashMap<String, (u64, Vec<u8>)>,
+    /// This member promised (or accepted) a change: no operation of this epoch completes here.
+    frozen: bool,
+    last_done: u64,
+    proposed_at: Option<Instant>,
+    trouble_since: Option<Instant>,
+    /// Decisions of the epochs this member committed, by epoch.
+    decisions: BTreeMap<u64, Decision>,
+    evicted: Option<String>,
+    /// Called when this member freezes its epoch: ends the epoch's operations at once.
+    on_freeze: Option<Box<dyn Fn(&str) + Send>>,
+    closed: bool,
+}
+
+pub(crate) struct Control {
+    pub me: MemberId,
+    cfg: ControlConfig,
+    contact: String,
+    state: Mutex<State>,
+    changed: Condvar,
+    events: Sender<Event>,
+    stop: Arc<AtomicBool>,
+    threads: Mutex<Vec<JoinHandle<()>>>,
+}
+
+fn fresh_id() -> MemberId {
+    let mut b = [0u8; 8];
+    getrandom::fill(&mut b).expect("the system's random source");
+    u64::from_le_bytes(b) >> 1 // below 2**63: prints the same everywhere (JSON, Python ints)
+}
+
+/// The address others should dial for a control plane bound to `bound`.
+fn contact_for(bound: SocketAddr) -> String {
+    if !bound.ip().is_unspecified() {
+        return bound.to_string();
+    }
+    let ip = crate::net::iface::list_interfaces()
+        .into_iter()
+        .map(|a| a.ip)
+        .find(|ip| ip.is_ipv4() && !ip.is_loopback())
+        .unwrap_or(std::net::IpAddr::from([127, 0, 0, 1]));
+    SocketAddr::new(ip, bound.port()).to_string()
+}
+
+impl Control {
+    /// Founds a group: this process is its only member, in epoch 0.
+    pub fn found(cfg: ControlConfig, listen: &str) -> Result<Arc<Control>> {
+        let listener = bind(listen)?;
+        let me = fresh_id();
+        let contact = contact_for(listener.local_addr()?);
+        let view = View::founded(me, contact.clone());
+        let control = Control::start(cfg, me, contact, view, true, listener)?;
+        Ok(control)
+    }
+
+    /// Joins the group that a member at one of `peers` belongs to: returns once a view with
+    /// this process in it is committed (at the members' next update point), or fails by
+    /// `deadline`.
+    pub fn join(cfg: ControlConfig, listen: &str, peers: &[String], deadline: Instant) -> Result<Arc<Control>> {
+        let listener = bind(listen)?;
+        let me = fresh_id();
+        let port = listener.local_addr()?.port();
+        let contact = contact_for(listener.local_addr()?);
+        let nobody = View { epoch: 0, members: Vec::new(), done: 0, forced: false, contacts: BTreeMap::new() };
+        let control = Control::start(cfg.clone(), me, contact, nobody, false, listener)?;
+        let mut why = Vec::new();
+        let mut linked = false;
+        for peer in peers {
+            match control.dial_join(peer, port) {
+                Ok(()) => {
+                    linked = true;
+                    break;
+                }
+                Err(e) => why.push(format!("{peer}: {e}")),
+            }
+        }
+        if !linked {
+            control.close();
+            return Err(PlaitError::Rendezvous(format!("no member of group '{}' answered: {}", cfg.group, why.join("; "))));
+        }
+        let mut st = control.state.lock();
+        while !st.member {
+            if let Some(e) = &st.evicted {
+                let e = e.clone();
+                drop(st);
+                control.close();
+                return Err(PlaitError::Rendezvous(e));
+            }
+            if control.changed.wait_until(&mut st, deadline).timed_out() {
+                drop(st);
+                control.close();
+                return Err(PlaitError::Timeout {
+                    op: "join".into(),
+                    waiting_on: format!("the members of group '{}' to admit this process at their next update point (do they call update()?)", cfg.group),
+                    waited: Duration::ZERO,
+                });
+            }
+        }
+        drop(st);
+        Ok(control)
+    }
+
+    fn start(cfg: ControlConfig, me: MemberId, contact: String, view: View, member: bool, listener: TcpListener) -> Result<Arc<Control>> {
+        let (tx, rx) = crossbeam_channel::unbounded();
+        let mut decisions = BTreeMap::new();
+        if member {
+            decisions.insert(view.epoch, Decision { done: 0, forced: false });
+        }
+        let state = State {
+            agree: Member::new(me, view),
+            member,
+            links: HashMap::new(),
+            heard: HashMap::new(),
+            said: HashMap::new(),
+            suspects: BTreeMap::new(),
+            told: BTreeSet::new(),
+            wanted: None,
+            pending: BTreeMap::new(),
+            kv: HashMap::new(),
+            frozen: false,
+            last_done: 0,
+            proposed_at: None,
+            trouble_since: None,
+            decisions,
+            evicted: None,
+            on_freeze: None,
+            closed: false,
+        };
+        let control = Arc::new(Control {
+            me,
+            cfg,
+            contact,
+            state: Mutex::new(state),
+            changed: Condvar::new(),
+            events: tx,
+            stop: Arc::new(AtomicBool::new(false)),
+            threads: Mutex::new(Vec::new()),
+        });
+        listener.set_nonblocking(true)?;
+        let c = control.clone();
+        let accept = std::thread::Builder::new().name("plait-ctl-accept".into()).spawn(move || c.accept_loop(listener))?;
+        let c = control.clone();
+        let driver = std::thread::Builder::new().name("plait-ctl".into()).spawn(move || c.drive(rx))?;
+        control.threads.lock().extend([accept, driver]);
+        Ok(control)
+    }
+
+    pub fn contact(&self) -> &str {
+        &self.contact
+    }
+
+    pub fn view(&self) -> View {
+        self.state.lock().agree.view.clone()
+    }
+
+    /// Joiners this member knows of (a local answer; the update point asks everyone).
+    pub fn pending(&self) -> usize {
+        self.state.lock().pending.len()
+    }
+
+    pub fn set_on_freeze(&self, f: Option<Box<dyn Fn(&str) + Send>>) {
+        self.state.lock().on_freeze = f;
+    }
+
+    /// Operation `seq` of `epoch` completed here; false if the epoch is frozen (then it does
+    /// not count: the view change decides it).
+    pub fn complete(&self, epoch: u64, seq: u64) -> bool {
+        let mut st = self.state.lock();
+        if st.agree.view.epoch != epoch || st.frozen || st.evicted.is_some() {
+            return false;
+        }
+        st.last_done = seq;
+        true
+    }
+
+    /// The decision of epoch `epoch` (about the operations of `epoch - 1`), once committed.
+    pub fn decision(&self, epoch: u64) -> Option<Decision> {
+        self.state.lock().decisions.get(&epoch).copied()
+    }
+
+    /// Whether the group has moved past `epoch`, or is moving (this member froze it).
+    pub fn moved_past(&self, epoch: u64) -> bool {
+        let st = self.state.lock();
+        st.agree.view.epoch != epoch || st.frozen || st.evicted.is_some()
+    }
+
+    pub fn evicted(&self) -> Option<String> {
+        self.state.lock().evicted.clone()
+    }
+
+    pub fn suspect(&self, epoch: u64, who: MemberId, why: String) {
+        let _ = self.events.send(Event::Suspect { epoch, who, why });
+    }
+
+    pub fn want_change(&self, epoch: u64, why: String) {
+        let _ = self.events.send(Event::Change { epoch, why });
+    }
+
+    pub fn admit(&self, epoch: u64) {
+        let _ = self.events.send(Event::Admit { epoch });
+    }
+
+    /// Waits until a view after `epoch` is committed here; returns it. Fails if this member is
+    /// evicted, or by `deadline` (no majority reachable).
+    pub fn wait_past(&self, epoch: u64, deadline: Instant) -> Result<View> {
+        let start = Instant::now();
+        let mut st = self.state.lock();
+        loop {
+            if let Some(e) = &st.evicted {
+                return Err(PlaitError::Evicted(e.clone()));
+            }
+            if st.closed {
+                return Err(PlaitError::Broken("the elastic communicator was closed".into()));
+            }
+            if st.agree.view.epoch > epoch {
+                return Ok(st.agree.view.clone());
+            }
+            if self.changed.wait_until(&mut st, deadline).timed_out() {
+                let silent: Vec<String> = st.suspects.iter().map(|(m, why)| format!("member {m:x} ({why})")).collect();
+                return Err(PlaitError::Timeout {
+                    op: "view change".into(),
+                    waiting_on: format!(
+                        "a majority of epoch {epoch}'s {} members to agree on the next view; unreachable: {}",
+                        st.agree.view.members.len(),
+                        if silent.is_empty() { "none known".into() } else { silent.join(", ") }
+                    ),
+                    waited: start.elapsed(),
+                });
+            }
+        }
+    }
+
+    /// Sets a bootstrap record of `epoch` here and on every member.
+    pub fn kv_set(&self, epoch: u64, key: &str, value: &[u8]) {
+        let links: Vec<Arc<CtlLink>> = {
+            let mut st = self.state.lock();
+            st.kv.insert(key.to_string(), (epoch, value.to_vec()));
+            self.changed.notify_all();
+            st.links.values().cloned().collect()
+        };
+        let msg = Ctl::Kv { epoch, key: key.to_string(), value: value.to_vec() };
+        for l in links {
+            let _ = l.send(&msg); // a failed link is named by its reader
+        }
+    }
+
+    /// A bootstrap record of `epoch`; fails at once if the group moves past `epoch`.
+    pub fn kv_get(&self, epoch: u64, key: &str, timeout: Duration) -> Result<Vec<u8>> {
+        let deadline = Instant::now() + timeout;
+        let mut st = self.state.lock();
+        loop {
+            if let Some((e, v)) = st.kv.get(key) {
+                if *e == epoch {
+                    return Ok(v.clone());
+                }
+            }
+            if st.agree.view.epoch != epoch || st.frozen || st.evicted.is_some() || st.closed {
+                return Err(PlaitError::Rendezvous(format!("the group moved past epoch {epoch} while its mesh was being built")));
+            }
+            if self.changed.wait_until(&mut st, deadline).timed_out() {
+                return Err(PlaitError::Timeout { op: "elastic bootstrap".into(), waiting_on: format!("record {key} of epoch {epoch}"), waited: timeout });
+            }
+        }
+    }
+
+    /// Stops the control plane: links closed (the other members see this member go), threads
+    /// joined.
+    pub fn close(&self) {
+        {
+            let mut st = self.state.lock();
+            if st.closed {
+                return;
+            }
+            st.closed = true;
+            st.on_freeze = None;
+            for l in st.links.values() {
+                l.shutdown();
+            }
+            self.changed.notify_all();
+        }
+        self.stop.store(true, Ordering::SeqCst);
+        let threads: Vec<JoinHandle<()>> = self.threads.lock().drain(..).collect();
+        for t in threads {
+            if t.thread().id() != std::thread::current().id() {
+                let _ = t.join();
+            }
+        }
+    }
+
+    // ---- links -------------------------------------------------------------------------
+
+    fn accept_loop(self: Arc<Self>, listener: TcpListener) {
+        while !self.stop.load(Ordering::SeqCst) {
+            match listener.accept() {
+                Ok((s, _)) => {
+                    let c = self.clone();
+                    let _ = std::thread::Builder::new().name("plait-ctl-hello".into()).spawn(move || c.greet(s));
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => std::thread::sleep(Duration::from_millis(10)),
+                Err(e) => {
+                    tracing::warn!("elastic: accepting a control link failed: {e}");
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+            }
+        }
+    }
+
+    /// An accepted connection: handshake, then its first message says who it is.
+    fn greet(self: Arc<Self>, s: TcpStream) {
+        let _ = s.set_nonblocking(false);
+        let link = match CtlLink::establish(s, &self.cfg.group, self.cfg.token.as_deref(), false, self.cfg.connect_timeout) {
+            Ok(l) => Arc::new(l),
+            Err(e) => {
+                tracing::warn!("elastic: a control connection failed its handshake: {e}");
+                return;
+            }
+        };
+        let first = link.recv();
+        let (id, joiner) = match first {
+            Ok(Ctl::Hello { id, group, .. }) if group == self.cfg.group => (id, None),
+            Ok(Ctl::Join { id, group, port, .. }) if group == self.cfg.group => {
+                let ip = link.peer_addr.map(|a| a.ip().to_string()).unwrap_or_else(|| "127.0.0.1".into());
+                let contact = if ip.contains(':') { format!("[{ip}]:{port}") } else { format!("{ip}:{port}") };
+                (id, Some(contact))
+            }
+            Ok(Ctl::Hello { group, .. }) | Ok(Ctl::Join { group, .. }) => {
+                let _ = link.send(&Ctl::Refused { why: format!("this member belongs to group '{}', not '{group}'", self.cfg.group) });
+                return;
+            }
+            _ => return,
+        };
+        let epoch = self.state.lock().agree.view.epoch;
+        if link.send(&Ctl::Hello { id: self.me, group: self.cfg.group.clone(), contact: self.contact.clone(), epoch }).is_err() {
+            return;
+        }
+        let _ = self.events.send(Event::Linked { id, link, joiner });
+    }
+
+    /// Dials member `id` at `contact` (this member has the higher id, so it dials).
+    fn dial(self: &Arc<Self>, id: MemberId, contact: String) {
+        let c = self.clone();
+        let _ = std::thread::Builder::new().name("plait-ctl-dial".into()).spawn(move || {
+            let epoch = c.state.lock().agree.view.epoch;
+            let hello = Ctl::Hello { id: c.me, group: c.cfg.group.clone(), contact: c.contact.clone(), epoch };
+            match c.connect(&contact, &hello) {
+                Ok((their, link)) if their == id => {
+                    let _ = c.events.send(Event::Linked { id, link, joiner: None });
+                }
+                Ok((their, _)) => tracing::warn!("elastic: {contact} answered as member {their:x}, not {id:x}"),
+                Err(e) => tracing::info!("elastic: cannot reach member {id:x} at {contact}: {e}"),
+            }
+        });
+    }
+
+    fn connect(&self, contact: &str, first: &Ctl) -> Result<(MemberId, Arc<CtlLink>)> {
+        let addr = contact
+            .to_socket_addrs()
+            .map_err(|e| PlaitError::Rendezvous(format!("cannot resolve {contact}: {e}")))?
+            .next()
+            .ok_or_else(|| PlaitError::Rendezvous(format!("{contact} resolves to no address")))?;
+        let s = TcpStream::connect_timeout(&addr, self.cfg.connect_timeout).map_err(|e| PlaitError::Rendezvous(format!("cannot connect to {contact}: {e}")))?;
+        let link = CtlLink::establish(s, &self.cfg.group, self.cfg.token.as_deref(), true, self.cfg.connect_timeout)
+            .map_err(|e| PlaitError::Rendezvous(format!("{contact}: {e}")))?;
+        link.send(first)?;
+        match link.recv()? {
+            Ctl::Hello { id, .. } => Ok((id, Arc::new(link))),
+            Ctl::Refused { why } => Err(PlaitError::Rendezvous(format!("{contact} refused: {why}"))),
+            other => Err(PlaitError::Rendezvous(format!("{contact} answered {other:?}"))),
+        }
+    }
+
+    fn dial_join(self: &Arc<Self>, peer: &str, port: u16) -> Result<()> {
+        let join = Ctl::Join { id: self.me, group: self.cfg.group.clone(), port, dialed: peer.to_string() };
+        let (id, link) = self.connect(peer, &join)?;
+        let _ = self.events.send(Event::Linked { id, link, joiner: None });
+        Ok(())
+    }
+
+    fn read_loop(self: Arc<Self>, id: MemberId, link: Arc<CtlLink>) {
+        loop {
+            match link.recv() {
+                Ok(msg) => {
+                    if self.events.send(Event::Message(id, msg)).is_err() {
+                        return;
+                    }
+                }
+                Err(e) => {
+                    let _ = self.events.send(Event::Down { id, link, why: e.to_string() });
+                    return;
+                }
+            }
+        }
+    }
+
+    // ---- the driver ----------------------------------------------------------------------
+
+    fn tick(&self) -> Duration {
+        (self.cfg.heartbeat_timeout / 8).max(Duration::from_millis(5))
+    }
+
+    fn drive(self: Arc<Self>, rx: Receiver<Event>) {
+        let tick = self.tick();
+        let mut next_tick = Instant::now() + tick;
+        while !self.stop.load(Ordering::SeqCst) {
+            match rx.recv_deadline(next_tick) {
+                Ok(ev) => self.handle(ev),
+                Err(crossbeam_channel::RecvTimeoutError::Timeout) => {}
+                Err(_) => return,
+            }
+            if Instant::now() >= next_tick {
+                self.on_tick();
+                next_tick = Instant::now() + tick;
+            }
+        }
+    }
+
+    fn handle(self: &Arc<Self>, ev: Event) {
+        let mut st = self.state.lock();
+        if st.closed {
+            return;
+        }
+        match ev {
+            Event::Linked { id, link, joiner } => {
+                if let Some(old) = st.links.insert(id, link.clone()) {
+                    old.shutdown();
+                }
+                let _ = link.set_timeouts(None, self.cfg.heartbeat_timeout);
+                let now = Instant::now();
+                st.heard.insert(id, now);
+                if let Some(contact) = joiner {
+                    st.pending.insert(id, contact.clone());
+                    let msg = Ctl::Pending { id, contact };
+                    for (m, l) in &st.links {
+                        if *m != id {
+                            let _ = l.send(&msg);
+                        }
+                    }
+                    self.changed.notify_all();
+                }
+                // A member linked late gets this epoch's records it may have missed.
+                let epoch = st.agree.view.epoch;
+                for (key, (e, value)) in &st.kv {
+                    if *e >= epoch {
+                        let _ = link.send(&Ctl::Kv { epoch: *e, key: key.clone(), value: value.clone() });
+                    }
+                }
+                let c = self.clone();
+                let reader = std::thread::Builder::new().name("plait-ctl-read".into()).spawn(move || c.read_loop(id, link));
+                if let Ok(t) = reader {
+                    self.threads.lock().push(t);
+                }
+            }
+            Event::Down { id, link, why } => {
+                if st.links.get(&id).is_some_and(|l| Arc::ptr_eq(l, &link)) {
+                    st.links.remove(&id);
+                    if st.agree.view.members.contains(&id) {
+                        st.suspects.entry(id).or_insert_with(|| format!("its control link closed: {why}"));
+                    } else {
+                        st.pending.remove(&id);
+                    }
+                }
+            }
+            Event::Message(from, msg) => {
+                st.heard.insert(from, Instant::now());
+                self.on_message(&mut st, from, msg);
+            }
+            Event::Suspect { epoch, who, why } => {
+                if epoch == st.agree.view.epoch && st.agree.view.members.contains(&who) && who != self.me {
+                    st.suspects.entry(who).or_insert(why);
+                }
+            }
+            Event::Admit { epoch } => {
+                if epoch == st.agree.view.epoch && st.wanted.is_none() {
+                    st.wanted = Some(false);
+                }
+            }
+            Event::Change { epoch, why } => {
+                if epoch == st.agree.view.epoch {
+                    tracing::info!("elastic: a new view is wanted: {why}");
+                    st.wanted = Some(true);
+                }
+            }
+        }
+        self.maybe_propose(&mut st);
+    }
+
+    fn on_message(self: &Arc<Self>, st: &mut State, from: MemberId, msg: Ctl) {
+        match msg {
+            Ctl::Heartbeat { epoch } => {
+                let mine = st.agree.view.epoch;
+                if st.member && epoch < mine && st.agree.view.members.contains(&from) {
+                    self.send(st, from, Ctl::Agree(Msg::Commit { view: st.agree.view.clone() }));
+                } else if epoch > mine && st.member {
+                    self.send(st, from, Ctl::Agree(Msg::Behind { epoch: mine }));
+                }
+            }
+            Ctl::Agree(m) => self.agree(st, from, m),
+            Ctl::Suspect { epoch, who, why } => {
+                if epoch == st.agree.view.epoch && st.agree.view.members.contains(&who) && who != self.me {
+                    st.suspects.entry(who).or_insert(format!("member {from:x} lost it: {why}"));
+                }
+            }
+            Ctl::Pending { id, contact } => {
+                if !st.agree.view.members.contains(&id) {
+                    st.pending.insert(id, contact);
+                    self.changed.notify_all();
+                }
+            }
+            Ctl::Kv { epoch, key, value } => {
+                if epoch >= st.agree.view.epoch {
+                    st.kv.insert(key, (epoch, value));
+                    self.changed.notify_all();
+                }
+            }
+            Ctl::Hello { .. } | Ctl::Join { .. } | Ctl::Refused { .. } => {}
+        }
+    }
+
+    /// Hands `msg` to the agreement (freezing this epoch first if it asks this member to take
+    /// part in a change) and sends what it answers; adopts a committed view.
+    fn agree(self: &Arc<Self>, st: &mut State, from: MemberId, msg: Msg) {
+        let mut queue = vec![(from, msg)];
+        while let Some((from, msg)) = queue.pop() {
+            if let Msg::Commit { view } = &msg {
+                if !st.member && !view.members.contains(&self.me) {
+                    continue; // not admitted yet: a view without this joiner says nothing to it
+                }
+            }
+            let next = st.agree.view.epoch + 1;
+            if matches!(&msg, Msg::Prepare { epoch, .. } | Msg::Accept { epoch, .. } if *epoch == next) && st.agree.view.members.contains(&from) {
+                self.freeze(st, "a member proposes the next view");
+            }
+            let before = st.agree.view.epoch;
+            let out = st.agree.handle(from, msg);
+            for (to, m) in out {
+                if to == self.me {
+                    queue.push((self.me, m));
+                } else {
+                    self.send(st, to, Ctl::Agree(m));
+                }
+            }
+            if st.agree.view.epoch != before {
+                self.adopted(st);
+            }
+        }
+    }
+
+    fn freeze(&self, st: &mut State, why: &str) {
+        if st.frozen || !st.member {
+            return;
+        }
+        st.frozen = true;
+        st.agree.last_done = st.last_done;
+        if let Some(f) = &st.on_freeze {
+            f(why);
+        }
+        self.changed.notify_all();
+    }
+
+    /// A new view was committed here.
+    fn adopted(self: &Arc<Self>, st: &mut State) {
+        let view = st.agree.view.clone();
+        if !view.members.contains(&self.me) {
+            if st.member {
+                st.evicted = Some(format!(
+                    "epoch {} was agreed without it (it was cut off or silent for longer than the heartbeat timeout); join again",
+                    view.epoch
+                ));
+                if let Some(f) = &st.on_freeze {
+                    f("this member was evicted");
+                }
+            }
+            self.changed.notify_all();
+            return;
+        }
+        tracing::info!("elastic: member {:x} commits epoch {} with {} members (done {}, forced {})", self.me, view.epoch, view.members.len(), view.done, view.forced);
+        st.member = true;
+        st.frozen = false;
+        st.last_done = 0;
+        st.suspects.clear();
+        st.told.clear();
+        st.wanted = None;
+        st.proposed_at = None;
+        st.trouble_since = None;
+        st.decisions.insert(view.epoch, Decision { done: view.done, forced: view.forced });
+        while st.decisions.len() > 64 {
+            st.decisions.pop_first();
+        }
+        st.pending.retain(|id, _| !view.members.contains(id));
+        st.kv.retain(|_, (e, _)| *e >= view.epoch);
+        let keep: BTreeSet<MemberId> = view.members.iter().chain(st.pending.keys()).copied().collect();
+        st.links.retain(|id, l| {
+            let kept = keep.contains(id);
+            if !kept {
+                l.shutdown();
+            }
+            kept
+        });
+        let now = Instant::now();
+        // A joiner linked to this member learns at once that it is in (it has no other way).
+        let joined: Vec<MemberId> = view.members.iter().copied().filter(|m| *m != self.me && st.links.contains_key(m)).collect();
+        for m in joined {
+            self.send(st, m, Ctl::Agree(Msg::Commit { view: view.clone() }));
+        }
+        for &m in &view.members {
+            st.heard.insert(m, now);
+            if m != self.me && !st.links.contains_key(&m) && self.me > m {
+                if let Some(contact) = view.contacts.get(&m) {
+                    self.dial(m, contact.clone());
+                }
+            }
+        }
+        self.changed.notify_all();
+    }
+
+    fn send(&self, st: &mut State, to: MemberId, msg: Ctl) {
+        let Some(link) = st.links.get(&to).cloned() else { return };
+        if let Err(e) = link.send(&msg) {
+            st.links.remove(&to);
+            link.shutdown();
+            if st.agree.view.members.contains(&to) {
+                st.suspects.entry(to).or_insert_with(|| format!("a control message to it failed: {e}"));
+            }
+        } else {
+            st.said.insert(to, Instant::now());
+        }
+    }
+
+    fn on_tick(self: &Arc<Self>) {
+        let mut st = self.state.lock();
+        if st.closed {
+            return;
+        }
+        let now = Instant::now();
+        let hb = self.cfg.heartbeat_timeout;
+        let epoch = st.agree.view.epoch;
+        let ids: Vec<MemberId> = st.links.keys().copied().collect();
+        for id in ids {
+            if st.said.get(&id).is_none_or(|t| now - *t >= hb / 4) {
+                self.send(&mut st, id, Ctl::Heartbeat { epoch });
+            }
+        }
+        if st.member && st.evicted.is_none() {
+            let members = st.agree.view.members.clone();
+            for m in members {
+                if m == self.me {
+                    continue;
+                }
+                let silent = st.heard.get(&m).map(|t| now - *t).unwrap_or(hb);
+                if silent >= hb {
+                    st.suspects.entry(m).or_insert_with(|| format!("silent for {silent:.2?} (heartbeat timeout {hb:.2?})"));
+                }
+            }
+        }
+        if st.agree.proposing() && st.proposed_at.is_some_and(|t| now - t >= self.grace()) {
+            let out = st.agree.decide();
+            self.dispatch(&mut st, out);
+        }
+        self.maybe_propose(&mut st);
+    }
+
+    /// How long a proposer waits for promises beyond a majority.
+    fn grace(&self) -> Duration {
+        (self.cfg.heartbeat_timeout / 4).max(Duration::from_millis(20))
+    }
+
+    fn dispatch(self: &Arc<Self>, st: &mut State, out: Vec<(MemberId, Msg)>) {
+        for (to, m) in out {
+            if to == self.me {
+                self.agree(st, self.me, m);
+            } else {
+                self.send(st, to, Ctl::Agree(m));
+            }
+        }
+    }
+
+    /// The leader (the oldest member not suspected) proposes when a change is wanted; the others
+    /// tell it their suspicions, and take over if nothing is committed for a while.
+    fn maybe_propose(self: &Arc<Self>, st: &mut State) {
+        if !st.member || st.evicted.is_some() || st.closed {
+            return;
+        }
+        let suspects: BTreeSet<MemberId> = st.suspects.keys().copied().filter(|m| st.agree.view.members.contains(m)).collect();
+        if suspects.is_empty() && st.wanted.is_none() {
+            return;
+        }
+        let now = Instant::now();
+        let since = *st.trouble_since.get_or_insert(now);
+        let alive: Vec<MemberId> = st.agree.view.members.iter().copied().filter(|m| !suspects.contains(m)).collect();
+        let Some(&leader) = alive.first() else { return };
+        let hb = self.cfg.heartbeat_timeout;
+        let takeover = now - since >= hb * (1 + alive.iter().position(|&m| m == self.me).unwrap_or(0) as u32);
+        if leader != self.me && !takeover {
+            let epoch = st.agree.view.epoch;
+            let untold: Vec<(MemberId, String)> = st.suspects.iter().filter(|(m, _)| !st.told.contains(m)).map(|(m, w)| (*m, w.clone())).collect();
+            for (who, why) in untold {
+                st.told.insert(who);
+                self.send(st, leader, Ctl::Suspect { epoch, who, why });
+            }
+            return;
+        }
+        if st.proposed_at.is_some_and(|t| now - t < hb) {
+            return; // a proposal of ours is under way
+        }
+        let forced = !suspects.is_empty() || st.wanted == Some(true);
+        self.freeze(st, "this member proposes the next view");
+        let expect: BTreeSet<MemberId> = alive.into_iter().collect();
+        // Joiners come in only at an update point, where no operation is under way: after a
+        // failure, the members' next calls are the lost operation's, not the joiner's first.
+        let joiners: Vec<(MemberId, String)> = if forced { Vec::new() } else { st.pending.iter().map(|(m, c)| (*m, c.clone())).collect() };
+        tracing::info!(
+            "elastic: member {:x} proposes epoch {} (suspects {:?}, joiners {}, forced {forced})",
+            self.me,
+            st.agree.view.epoch + 1,
+            st.suspects,
+            joiners.len()
+        );
+        st.proposed_at = Some(now);
+        let out = st.agree.propose(expect, joiners, forced);
+        self.dispatch(st, out);
+    }
+}
+
+fn bind(listen: &str) -> Result<TcpListener> {
+    TcpListener::bind(listen).map_err(|e| PlaitError::Config(format!("elastic: cannot listen on {listen}: {e}")))
+}
