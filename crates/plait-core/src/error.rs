@@ -96,6 +96,9 @@ impl PlaitError {
             PlaitError::Mismatch { peer, detail, .. } => {
                 PlaitError::Mismatch { op: op.to_string(), peer: *peer, detail: detail.clone() }
             }
+            PlaitError::PeerLost { epoch, members, lost, .. } => {
+                PlaitError::PeerLost { op: op.to_string(), epoch: *epoch, members: *members, lost: lost.clone() }
+            }
             PlaitError::Refused { peer, reason, .. } => {
                 PlaitError::Refused { op: op.to_string(), peer: *peer, reason: reason.clone() }
             }

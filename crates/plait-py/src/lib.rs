@@ -1,7 +1,7 @@
 //! `plait._core`: thin PyO3 bindings over plait-core. No logic lives here; every blocking call
 //! releases the GIL.
 
-use plait_core::{CollRequest, Collective, CommConfig, Communicator, DType, PlaitError, RawBuf, ReduceOp, Store, ThreadUse, Wire, Work};
+use plait_core::{CollRequest, Collective, CommConfig, Communicator, DType, ElasticComm, ElasticConfig, PlaitError, RawBuf, ReduceOp, Store, ThreadUse, Wire, Work};
 use pyo3::prelude::*;
 use pyo3::sync::GILOnceCell;
 use pyo3::types::{PyBool, PyBytes, PyDict, PyString, PyTuple, PyType};
@@ -180,6 +180,43 @@ impl Named {
     }
 }
 
+/// A collective call as Python passes it (see `Comm.collective`).
+#[allow(clippy::too_many_arguments)]
+fn request(
+    coll: Named,
+    send_ptr: usize,
+    send_nbytes: usize,
+    recv_ptr: usize,
+    recv_nbytes: usize,
+    dtype: Named,
+    op: Option<Named>,
+    factor: Option<f64>,
+    root: usize,
+    send_counts: Option<Vec<usize>>,
+    recv_counts: Option<Vec<usize>>,
+    timeout: Option<f64>,
+    algo: Option<String>,
+    wire: Option<String>,
+) -> PyResult<CollRequest> {
+    let wire = self::wire(wire)?;
+    let coll = collective(coll)?;
+    let dt = self::dtype(dtype)?;
+    let rop = reduce_op(op.unwrap_or(Named::Code(ReduceOp::Sum.code())), factor)?;
+    Ok(CollRequest {
+        coll,
+        dtype: dt,
+        op: rop,
+        root,
+        input: buf(send_ptr, send_nbytes),
+        output: buf(recv_ptr, recv_nbytes),
+        send_counts,
+        recv_counts,
+        timeout: secs(coll.name(), timeout)?,
+        algo,
+        wire,
+    })
+}
+
 fn buf(ptr: usize, nbytes: usize) -> RawBuf {
     RawBuf { ptr: ptr as *mut u8, len: nbytes }
 }
@@ -214,6 +251,113 @@ impl PyWork {
             Some(Ok(s)) => s as i64,
             _ => -1,
         }
+    }
+}
+
+/// A member of an elastic group (`plait.elastic`): its rank and size are those of the view it is
+/// in now, and change between epochs.
+#[pyclass(name = "Elastic", module = "plait._core")]
+struct PyElastic {
+    comm: Arc<ElasticComm>,
+}
+
+#[pymethods]
+impl PyElastic {
+    /// Founds a group (no `peers`) or joins the group of a member at one of `peers`; returns once
+    /// this member is in a committed view.
+    #[new]
+    #[pyo3(signature = (*, peers=Vec::new(), listen="0.0.0.0:0".to_string(), group="default".to_string(), timeout=None, heartbeat_timeout=None))]
+    fn new(py: Python<'_>, peers: Vec<String>, listen: String, group: String, timeout: Option<f64>, heartbeat_timeout: Option<f64>) -> PyResult<Self> {
+        let mut cfg = CommConfig::from_env(0, 1).map_err(to_py)?;
+        cfg.group = group;
+        if let Some(t) = secs("elastic", timeout)? {
+            cfg.timeout = t;
+        }
+        if let Some(h) = heartbeat_timeout {
+            cfg.heartbeat_timeout = Duration::from_secs_f64(plait_core::check_setting("PLAIT_HEARTBEAT_TIMEOUT", &h.to_string()).map_err(to_py)?);
+        }
+        let comm = py.allow_threads(move || guarded("elastic", || ElasticComm::start(ElasticConfig { listen, peers, comm: cfg }))).map_err(to_py)?;
+        Ok(PyElastic { comm: Arc::new(comm) })
+    }
+
+    #[getter]
+    fn rank(&self) -> usize {
+        let view = self.comm.view();
+        view.members.iter().position(|&m| m == self.comm.member_id()).unwrap_or(usize::MAX)
+    }
+    #[getter]
+    fn size(&self) -> usize {
+        self.comm.view().members.len()
+    }
+    #[getter]
+    fn epoch(&self) -> u64 {
+        self.comm.view().epoch
+    }
+    /// The members of the current view, most senior first (ids as hex).
+    #[getter]
+    fn members(&self) -> Vec<String> {
+        self.comm.view().members.iter().map(|m| format!("{m:x}")).collect()
+    }
+    #[getter]
+    fn member_id(&self) -> String {
+        format!("{:x}", self.comm.member_id())
+    }
+    /// The address joiners may be given.
+    #[getter]
+    fn contact(&self) -> String {
+        self.comm.contact()
+    }
+    /// Joiners this member knows of (a local answer).
+    fn pending(&self) -> usize {
+        self.comm.pending()
+    }
+
+    /// As `Comm.collective`, always blocking; returns a completed Work.
+    #[pyo3(signature = (coll, send_ptr, send_nbytes, recv_ptr, recv_nbytes, dtype, op=None, *, factor=None, root=0, send_counts=None, recv_counts=None, timeout=None, algo=None, inline=true, wire=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn collective(
+        &self,
+        py: Python<'_>,
+        coll: Named,
+        send_ptr: usize,
+        send_nbytes: usize,
+        recv_ptr: usize,
+        recv_nbytes: usize,
+        dtype: Named,
+        op: Option<Named>,
+        factor: Option<f64>,
+        root: usize,
+        send_counts: Option<Vec<usize>>,
+        recv_counts: Option<Vec<usize>>,
+        timeout: Option<f64>,
+        algo: Option<String>,
+        inline: bool,
+        wire: Option<String>,
+    ) -> PyResult<PyWork> {
+        if !inline {
+            return Err(invalid("elastic mode runs blocking operations only (async_op=False)".into()));
+        }
+        let req = request(coll, send_ptr, send_nbytes, recv_ptr, recv_nbytes, dtype, op, factor, root, send_counts, recv_counts, timeout, algo, wire)?;
+        let name = req.coll.name();
+        let comm = self.comm.clone();
+        // SAFETY: as `Comm.collective`: plait.elastic keeps both buffers alive until it returns.
+        let r = py.allow_threads(move || guarded(name, || unsafe { comm.collective(req) }));
+        Ok(PyWork { work: Work::done(r.map(|_| 0)) })
+    }
+
+    /// The update point (every member calls it at the same place in its loop): admits waiting
+    /// joiners; True if the view changed.
+    fn update(&self, py: Python<'_>) -> PyResult<bool> {
+        let comm = self.comm.clone();
+        py.allow_threads(move || guarded("update", || comm.update())).map_err(to_py)
+    }
+
+    fn close(&self, py: Python<'_>) {
+        let comm = self.comm.clone();
+        let _ = py.allow_threads(move || guarded("close", || {
+            comm.close();
+            Ok(())
+        }));
     }
 }
 
@@ -300,23 +444,8 @@ impl PyComm {
         inline: bool,
         wire: Option<String>,
     ) -> PyResult<PyWork> {
-        let wire = self::wire(wire)?;
-        let coll = collective(coll)?;
-        let dt = self::dtype(dtype)?;
-        let rop = reduce_op(op.unwrap_or(Named::Code(ReduceOp::Sum.code())), factor)?;
-        let req = CollRequest {
-            coll,
-            dtype: dt,
-            op: rop,
-            root,
-            input: buf(send_ptr, send_nbytes),
-            output: buf(recv_ptr, recv_nbytes),
-            send_counts,
-            recv_counts,
-            timeout: secs(coll.name(), timeout)?,
-            algo,
-            wire,
-        };
+        let req = request(coll, send_ptr, send_nbytes, recv_ptr, recv_nbytes, dtype, op, factor, root, send_counts, recv_counts, timeout, algo, wire)?;
+        let coll = req.coll;
         let comm = self.comm.clone();
         // SAFETY: the Python caller (plait.comm, plait.torch) keeps both buffers alive and
         // untouched until the returned Work has completed: the contract of `plait_core::RawBuf`.
@@ -622,6 +751,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     }
     let _ = EXC.set(py, ns.unbind());
     m.add_class::<PyComm>()?;
+    m.add_class::<PyElastic>()?;
     m.add_class::<PyWork>()?;
     m.add_function(wrap_pyfunction!(algorithms, m)?)?;
     m.add_function(wrap_pyfunction!(interfaces, m)?)?;

@@ -86,6 +86,8 @@ pub const ARGUMENTS: &[(&str, Range)] = &[("timeout", TIMEOUT), ("world_size", W
 
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
 pub const DEFAULT_HELLO_TIMEOUT: Duration = crate::net::listener::HANDSHAKE_TIMEOUT;
+const HEARTBEAT_TIMEOUT: Range = Range { unit: "number of seconds", min: 0.5, max: 3600.0, integer: false };
+pub const DEFAULT_HEARTBEAT_TIMEOUT: Duration = Duration::from_secs(2);
 pub const DEFAULT_SEGMENT_BYTES: usize = 1 << 20;
 /// Blocking calls this small read their links on the calling thread: saves a thread hand-off
 /// per message, while larger transfers keep one receiver thread per link (links in parallel).
@@ -114,6 +116,13 @@ pub const SETTINGS: &[Setting] = &[
         default: "5",
         doc: "How long an accepted connection may take to send its hello; a connection silent for longer is closed (a real peer sends it at once). It never holds up other connections.",
         range: Some(HELLO_TIMEOUT),
+    },
+    Setting {
+        name: "PLAIT_HEARTBEAT_TIMEOUT",
+        kind: "seconds",
+        default: "2",
+        doc: "Elastic mode: a member silent this long (no heartbeat, no message) is suspected and left out of the next view; heartbeats go every quarter of it. From 0.5 to 3600.",
+        range: Some(HEARTBEAT_TIMEOUT),
     },
     Setting {
         name: "PLAIT_IFACE",
@@ -269,6 +278,8 @@ pub struct CommConfig {
     pub timeout: Duration,
     /// How long an accepted connection may take to send its hello (`PLAIT_HELLO_TIMEOUT`).
     pub hello_timeout: Duration,
+    /// Elastic mode: a member silent this long is suspected (`PLAIT_HEARTBEAT_TIMEOUT`).
+    pub heartbeat_timeout: Duration,
     /// `PLAIT_ALGO` syntax: `allreduce:ring,allgather:direct`.
     pub algo: Option<String>,
     pub segment_bytes: usize,
@@ -421,6 +432,7 @@ impl CommConfig {
             ("busy_poll (microseconds)", BUSY_POLL_US, self.busy_poll.as_micros() as f64),
             ("unexpected_bytes", UNEXPECTED_BYTES, self.unexpected_bytes as f64),
             ("hello_timeout (seconds)", HELLO_TIMEOUT, self.hello_timeout.as_secs_f64()),
+            ("heartbeat_timeout (seconds)", HEARTBEAT_TIMEOUT, self.heartbeat_timeout.as_secs_f64()),
         ];
         for (name, range, v) in fields {
             if !range.contains(v) {
@@ -439,6 +451,7 @@ impl CommConfig {
         let busy_poll = whole("PLAIT_BUSY_POLL_US")?.map_or(Duration::ZERO, Duration::from_micros);
         let streams = whole("PLAIT_STREAMS")?.map_or(DEFAULT_STREAMS, |v| v as usize);
         let hello_timeout = setting_number("PLAIT_HELLO_TIMEOUT")?.map_or(DEFAULT_HELLO_TIMEOUT, Duration::from_secs_f64);
+        let heartbeat_timeout = setting_number("PLAIT_HEARTBEAT_TIMEOUT")?.map_or(DEFAULT_HEARTBEAT_TIMEOUT, Duration::from_secs_f64);
         let unexpected_bytes = whole("PLAIT_UNEXPECTED_BYTES")?.unwrap_or(DEFAULT_UNEXPECTED_BYTES);
         let wire = match setting("PLAIT_WIRE_DTYPE") {
             Some(v) => Wire::from_name(&v)
@@ -459,6 +472,7 @@ impl CommConfig {
             epoch: 0,
             timeout,
             hello_timeout,
+            heartbeat_timeout,
             algo: setting("PLAIT_ALGO"),
             segment_bytes,
             caller_read_bytes,
@@ -489,6 +503,7 @@ mod tests {
         let default_of = |n: &str| SETTINGS.iter().find(|s| s.name == n).unwrap().default;
         assert_eq!(default_of("PLAIT_TIMEOUT").parse::<u64>().unwrap(), DEFAULT_TIMEOUT.as_secs());
         assert_eq!(default_of("PLAIT_HELLO_TIMEOUT").parse::<u64>().unwrap(), DEFAULT_HELLO_TIMEOUT.as_secs());
+        assert_eq!(default_of("PLAIT_HEARTBEAT_TIMEOUT").parse::<u64>().unwrap(), DEFAULT_HEARTBEAT_TIMEOUT.as_secs());
         assert_eq!(default_of("PLAIT_SEGMENT_BYTES").parse::<usize>().unwrap(), DEFAULT_SEGMENT_BYTES);
         assert_eq!(default_of("PLAIT_CALLER_READ_BYTES").parse::<usize>().unwrap(), DEFAULT_CALLER_READ_BYTES);
         assert_eq!(default_of("PLAIT_STREAMS").parse::<usize>().unwrap(), DEFAULT_STREAMS);

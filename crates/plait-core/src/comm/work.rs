@@ -15,6 +15,13 @@ impl Work {
         Work::default()
     }
 
+    /// A Work already completed with `r` (an operation that ran to its end before returning).
+    pub fn done(r: Result<usize>) -> Work {
+        let w = Work::new();
+        w.complete(r);
+        w
+    }
+
     pub(crate) fn complete(&self, r: Result<usize>) {
         let (m, cv) = &*self.state;
         *m.lock() = Some(r);

@@ -73,6 +73,8 @@ struct Proposal {
     expect: BTreeSet<MemberId>,
     /// Members to add, with their contacts.
     joiners: Vec<(MemberId, String)>,
+    /// Members leaving: they vote, but the value leaves them out.
+    leaving: BTreeSet<MemberId>,
     forced: bool,
     promises: BTreeMap<MemberId, (Option<(Ballot, View)>, u64)>,
     /// The value sent in phase 2, once chosen.
@@ -108,11 +110,12 @@ impl Member {
 
     /// Starts (or restarts, with a higher ballot) a proposal for the next view: the members of
     /// this view that promise, in their order, then `joiners`. `expect`: the members it waits
-    /// for (see `Proposal::expect`); `forced`: see `View::forced`.
-    pub fn propose(&mut self, expect: BTreeSet<MemberId>, joiners: Vec<(MemberId, String)>, forced: bool) -> Out {
+    /// for (see `Proposal::expect`); `leaving`: members left out though they vote; `forced`: see
+    /// `View::forced`.
+    pub fn propose(&mut self, expect: BTreeSet<MemberId>, joiners: Vec<(MemberId, String)>, leaving: BTreeSet<MemberId>, forced: bool) -> Out {
         self.max_round += 1;
         let ballot = Ballot { round: self.max_round, proposer: self.id };
-        self.proposal = Some(Proposal { ballot, expect, joiners, forced, promises: BTreeMap::new(), value: None, accepted: BTreeSet::new() });
+        self.proposal = Some(Proposal { ballot, expect, joiners, leaving, forced, promises: BTreeMap::new(), value: None, accepted: BTreeSet::new() });
         let epoch = self.next_epoch();
         self.view.members.iter().map(|&m| (m, Msg::Prepare { epoch, ballot })).collect()
     }
@@ -138,7 +141,8 @@ impl Member {
         }
         let earlier = p.promises.values().filter_map(|(a, _)| a.as_ref()).max_by_key(|(b, _)| *b).map(|(_, v)| v.clone());
         let value = earlier.unwrap_or_else(|| {
-            let mut members: Vec<MemberId> = self.view.members.iter().copied().filter(|m| p.promises.contains_key(m)).collect();
+            let mut members: Vec<MemberId> =
+                self.view.members.iter().copied().filter(|m| p.promises.contains_key(m) && !p.leaving.contains(m)).collect();
             let mut contacts: BTreeMap<MemberId, String> =
                 members.iter().filter_map(|m| self.view.contacts.get(m).map(|c| (*m, c.clone()))).collect();
             for (j, contact) in &p.joiners {
@@ -147,7 +151,7 @@ impl Member {
                     contacts.insert(*j, contact.clone());
                 }
             }
-            let done = p.promises.values().map(|(_, d)| *d).min().unwrap_or(0);
+            let done = p.promises.iter().filter(|(m, _)| !p.leaving.contains(m)).map(|(_, (_, d))| *d).min().unwrap_or(0);
             View { epoch, members, done, forced: p.forced, contacts }
         });
         p.value = Some(value.clone());

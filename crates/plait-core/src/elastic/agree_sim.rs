@@ -145,7 +145,7 @@ impl World {
             }
         }
         let forced = extra.is_none();
-        let out = self.members[i].propose(expect, joiners, forced);
+        let out = self.members[i].propose(expect, joiners, BTreeSet::new(), forced);
         self.send(i as u64, out);
     }
 

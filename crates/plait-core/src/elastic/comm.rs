@@ -34,10 +34,9 @@ pub struct ElasticConfig {
     pub listen: String,
     /// Control addresses of members to ask for admission; empty founds a new group.
     pub peers: Vec<String>,
-    /// A member silent this long is suspected (`PLAIT_HEARTBEAT_TIMEOUT`).
-    pub heartbeat_timeout: Duration,
     /// The settings of every epoch's mesh (`group`, `timeout`, `token`...); its rank, size and
-    /// epoch are the view's. `timeout` also bounds joining and each wait for a new view.
+    /// epoch are the view's. `timeout` also bounds joining and each wait for a new view;
+    /// `heartbeat_timeout` is the control plane's.
     pub comm: CommConfig,
 }
 
@@ -80,7 +79,7 @@ impl ElasticComm {
         let control_cfg = ControlConfig {
             group: cfg.comm.group.clone(),
             token: cfg.comm.token.as_ref().map(|t| t.secret().to_vec()),
-            heartbeat_timeout: cfg.heartbeat_timeout,
+            heartbeat_timeout: cfg.comm.heartbeat_timeout,
             connect_timeout: cfg.comm.hello_timeout,
         };
         let joining = !cfg.peers.is_empty();
@@ -162,7 +161,8 @@ impl ElasticComm {
     }
 
     /// The update point: every member calls it at the same place in its loop. Admits the joiners
-    /// any member knows of (all members wait for the new view); returns whether the view changed.
+    /// any member knows of (all members wait for the new view); returns whether the view changed
+    /// (also when a member was lost during it: that is not an error here).
     pub fn update(&self) -> Result<bool> {
         if std::mem::take(&mut self.ops.lock().admitted) {
             return Ok(true);
@@ -183,7 +183,13 @@ impl ElasticComm {
             wire: None,
         };
         // SAFETY: `waiting` lives on this frame until the call returns.
-        unsafe { self.collective(req) }.map_err(|e| e.for_op("update"))?;
+        match unsafe { self.collective(req) } {
+            Ok(()) => {}
+            // Every member lost it alike: the view changed, which is what an update point is for;
+            // the joiners wait for the next one.
+            Err(PlaitError::PeerLost { .. }) => return Ok(true),
+            Err(e) => return Err(e.for_op("update")),
+        }
         if i64::from_ne_bytes(waiting) == 0 {
             return Ok(false);
         }
@@ -196,10 +202,10 @@ impl ElasticComm {
         Ok(true)
     }
 
-    /// Leaves the group: the control links close, and the others go on without this member
-    /// after their next view change.
+    /// Leaves the group: this member votes for a view without itself (so even two members can
+    /// part), then closes its links; the others go on at once.
     pub fn close(&self) {
-        self.control.close();
+        self.control.leave(Instant::now() + self.control.heartbeat_timeout() * 2);
         if let Some((comm, _)) = self.ops.lock().mesh.take() {
             comm.abort("this member left the group");
             comm.close();

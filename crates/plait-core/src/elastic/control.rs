@@ -46,6 +46,8 @@ enum Event {
     Admit { epoch: u64 },
     /// Something failed with no one to blame (a bootstrap that timed out): a forced change.
     Change { epoch: u64, why: String },
+    /// This member leaves.
+    Leave,
 }
 
 struct State {
@@ -61,6 +63,8 @@ struct State {
     told: BTreeSet<MemberId>,
     /// A change is wanted (Some(forced)) though nobody is suspected.
     wanted: Option<bool>,
+    /// Members that said they leave (this one too, once `leave` is called).
+    leaving: BTreeSet<MemberId>,
     /// Joiners waiting for an update point, with their contacts.
     pending: BTreeMap<MemberId, String>,
     /// Bootstrap records: key -> (epoch, value).
@@ -181,6 +185,7 @@ impl Control {
             suspects: BTreeMap::new(),
             told: BTreeSet::new(),
             wanted: None,
+            leaving: BTreeSet::new(),
             pending: BTreeMap::new(),
             kv: HashMap::new(),
             frozen: false,
@@ -209,6 +214,10 @@ impl Control {
         let driver = std::thread::Builder::new().name("plait-ctl".into()).spawn(move || c.drive(rx))?;
         control.threads.lock().extend([accept, driver]);
         Ok(control)
+    }
+
+    pub fn heartbeat_timeout(&self) -> Duration {
+        self.cfg.heartbeat_timeout
     }
 
     pub fn contact(&self) -> &str {
@@ -327,6 +336,26 @@ impl Control {
                 return Err(PlaitError::Timeout { op: "elastic bootstrap".into(), waiting_on: format!("record {key} of epoch {epoch}"), waited: timeout });
             }
         }
+    }
+
+    /// Leaves the group: this member asks for a view without itself and votes for it, waiting
+    /// until `deadline` at most (without a majority alive the others learn it from its closed
+    /// links instead). Then `close`.
+    pub fn leave(&self, deadline: Instant) {
+        let solo = {
+            let st = self.state.lock();
+            !st.member || st.closed || st.evicted.is_some() || st.agree.view.members.len() <= 1
+        };
+        if !solo {
+            let _ = self.events.send(Event::Leave);
+            let mut st = self.state.lock();
+            while st.evicted.is_none() && !st.closed {
+                if self.changed.wait_until(&mut st, deadline).timed_out() {
+                    break;
+                }
+            }
+        }
+        self.close();
     }
 
     /// Stops the control plane: links closed (the other members see this member go), threads
@@ -540,6 +569,13 @@ impl Control {
                     st.wanted = Some(false);
                 }
             }
+            Event::Leave => {
+                st.leaving.insert(self.me);
+                let ids: Vec<MemberId> = st.links.keys().copied().collect();
+                for id in ids {
+                    self.send(&mut st, id, Ctl::Leave { id: self.me });
+                }
+            }
             Event::Change { epoch, why } => {
                 if epoch == st.agree.view.epoch {
                     tracing::info!("elastic: a new view is wanted: {why}");
@@ -564,6 +600,11 @@ impl Control {
             Ctl::Suspect { epoch, who, why } => {
                 if epoch == st.agree.view.epoch && st.agree.view.members.contains(&who) && who != self.me {
                     st.suspects.entry(who).or_insert(format!("member {from:x} lost it: {why}"));
+                }
+            }
+            Ctl::Leave { id } => {
+                if st.agree.view.members.contains(&id) {
+                    st.leaving.insert(id);
                 }
             }
             Ctl::Pending { id, contact } => {
@@ -653,6 +694,7 @@ impl Control {
             st.decisions.pop_first();
         }
         st.pending.retain(|id, _| !view.members.contains(id));
+        st.leaving.retain(|id| view.members.contains(id));
         st.kv.retain(|_, (e, _)| *e >= view.epoch);
         let keep: BTreeSet<MemberId> = view.members.iter().chain(st.pending.keys()).copied().collect();
         st.links.retain(|id, l| {
@@ -747,13 +789,14 @@ impl Control {
             return;
         }
         let suspects: BTreeSet<MemberId> = st.suspects.keys().copied().filter(|m| st.agree.view.members.contains(m)).collect();
-        if suspects.is_empty() && st.wanted.is_none() {
+        if suspects.is_empty() && st.wanted.is_none() && st.leaving.is_empty() {
             return;
         }
         let now = Instant::now();
         let since = *st.trouble_since.get_or_insert(now);
         let alive: Vec<MemberId> = st.agree.view.members.iter().copied().filter(|m| !suspects.contains(m)).collect();
-        let Some(&leader) = alive.first() else { return };
+        // A leaving member votes but does not lead, unless nobody else is left to.
+        let Some(&leader) = alive.iter().find(|m| !st.leaving.contains(m)).or(alive.first()) else { return };
         let hb = self.cfg.heartbeat_timeout;
         let takeover = now - since >= hb * (1 + alive.iter().position(|&m| m == self.me).unwrap_or(0) as u32);
         if leader != self.me && !takeover {
@@ -768,7 +811,7 @@ impl Control {
         if st.proposed_at.is_some_and(|t| now - t < hb) {
             return; // a proposal of ours is under way
         }
-        let forced = !suspects.is_empty() || st.wanted == Some(true);
+        let forced = !suspects.is_empty() || st.wanted == Some(true) || !st.leaving.is_empty();
         self.freeze(st, "this member proposes the next view");
         let expect: BTreeSet<MemberId> = alive.into_iter().collect();
         // Joiners come in only at an update point, where no operation is under way: after a
@@ -782,7 +825,8 @@ impl Control {
             joiners.len()
         );
         st.proposed_at = Some(now);
-        let out = st.agree.propose(expect, joiners, forced);
+        let leaving = st.leaving.clone();
+        let out = st.agree.propose(expect, joiners, leaving, forced);
         self.dispatch(st, out);
     }
 }

@@ -42,6 +42,8 @@ pub(crate) enum Ctl {
     Suspect { epoch: u64, who: MemberId, why: String },
     /// A bootstrap record of `epoch` (the store of that epoch's mesh), sent to every member.
     Kv { epoch: u64, key: String, value: Vec<u8> },
+    /// The sender leaves the group: it still votes until a view without it is agreed.
+    Leave { id: MemberId },
     /// "I am alive, at `epoch`"; on idle links.
     Heartbeat { epoch: u64 },
     /// The answer to a hello or join that is refused.

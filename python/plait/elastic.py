@@ -1,0 +1,151 @@
+"""Elastic mode: members join and leave while the others train, and no process is special.
+
+    import plait.elastic
+    comm = plait.elastic.join()                    # founds a group; give comm.contact to others
+    comm = plait.elastic.join(["10.0.0.1:29400"])  # joins the group of that member
+
+    while True:
+        comm.update()                   # the update point: waiting joiners come in here
+        grads = compute()
+        comm.allreduce_with_retry(grads, "avg", out=grads)
+
+`rank` and `world_size` are those of the current view and change between epochs. Every
+collective has one outcome on every member: it completed everywhere, or it raised `PeerLost`
+everywhere with the buffer as it was (retry it; `allreduce_with_retry` does). The protocol is in
+docs/elastic.md.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, List, Optional, Sequence
+
+from . import _core
+from ._core import InvalidArgumentError, PeerLost
+from .comm import Communicator, _str, _timeout
+
+if TYPE_CHECKING:
+    from numpy.typing import ArrayLike
+
+__all__ = ["join", "ElasticCommunicator", "PeerLost"]
+
+
+def join(peers: Optional[Sequence[str]] = None, *, listen: str = "0.0.0.0:0", group: str = "default",
+         timeout: Optional[float] = None, heartbeat_timeout: Optional[float] = None) -> "ElasticCommunicator":
+    """Joins the group of a member at one of `peers` ("host:port", its `contact`), or founds a
+    new group when `peers` is empty. Returns once a view with this member is agreed: a joiner
+    is admitted at the members' next `update()`.
+
+    `listen`: where this member's control plane listens ("host:port", port 0 picks one).
+    `timeout`: the deadline of joining, of each operation and of each view change (default
+    PLAIT_TIMEOUT). `heartbeat_timeout`: how long a silent member is waited for (default
+    PLAIT_HEARTBEAT_TIMEOUT, 2 s). The group's secret is PLAIT_TOKEN, as in static mode.
+    """
+    w = "plait.elastic.join"
+    if isinstance(peers, str):
+        peers = [peers]
+    peers = [_str(p, w, "peers") for p in (peers or [])]
+    kw = {}
+    if timeout is not None:
+        kw["timeout"] = _timeout(timeout, w)
+    if heartbeat_timeout is not None:
+        kw["heartbeat_timeout"] = float(heartbeat_timeout)
+    core = _core.Elastic(peers=peers, listen=_str(listen, w, "listen"), group=_str(group, w, "group"), **kw)
+    return ElasticCommunicator(core)
+
+
+class ElasticCommunicator(Communicator):
+    """A member of an elastic group. It has the collectives of `plait.Communicator` (blocking
+    only); point-to-point calls and subgroups are not offered in elastic mode."""
+
+    def __init__(self, core: Any) -> None:  # built by join()
+        self._store = None
+        self._pending = []
+        self._comm = core
+
+    @property
+    def epoch(self) -> int:
+        """The current view's number; it grows by one at every view change."""
+        return self._comm.epoch
+
+    @property
+    def members(self) -> List[str]:
+        """The current view's members (ids), most senior first; `rank` is this member's index."""
+        return self._comm.members
+
+    @property
+    def member_id(self) -> str:
+        return self._comm.member_id
+
+    @property
+    def contact(self) -> str:
+        """The address to give a joiner ("host:port")."""
+        return self._comm.contact
+
+    @property
+    def group(self) -> str:
+        return "elastic"
+
+    @property
+    def threads(self) -> str:
+        return "creator"
+
+    def __repr__(self):
+        return f"<plait.elastic member {self.member_id}: rank {self.rank} of {self.world_size}, epoch {self.epoch}>"
+
+    def update(self) -> bool:
+        """The update point: every member calls it at the same place in its loop. Joiners that
+        wait are admitted here (all members wait for the new view); True if the view changed.
+        A joiner's first call returns True at once: the members are finishing the update point
+        that admitted it."""
+        return self._comm.update()
+
+    def pending(self) -> int:
+        """Joiners this member knows to be waiting (a local answer, no communication)."""
+        return self._comm.pending()
+
+    def allreduce_with_retry(self, x: "ArrayLike", op: str = "sum", *, attempts: Optional[int] = None,
+                             **kw: Any):
+        """`allreduce`, retried over the new view each time it raises PeerLost (the buffer is
+        restored each time, and "avg" divides by the members that took part). `attempts`:
+        give up (raise the last PeerLost) after this many; default: never."""
+        tries = 0
+        while True:
+            try:
+                return self.allreduce(x, op, **kw)
+            except PeerLost:
+                tries += 1
+                if attempts is not None and tries >= attempts:
+                    raise
+
+    def barrier(self, *, timeout: Optional[float] = None, async_op: bool = False) -> None:
+        import numpy as np
+
+        self.allreduce(np.zeros(1, np.uint8), "max", timeout=timeout, async_op=async_op)
+
+    def _not_elastic(self, what):
+        raise InvalidArgumentError(f"{what} is not offered in elastic mode: every member's calls must pair up across view changes")
+
+    def send(self, *a, **k):
+        self._not_elastic("send")
+
+    def recv(self, *a, **k):
+        self._not_elastic("recv")
+
+    def subgroup(self, *a, **k):
+        self._not_elastic("subgroup")
+
+    def routes(self):
+        return []
+
+    def topology(self) -> str:
+        return "elastic"
+
+    def algorithm_for(self, coll: str, nbytes: int, root: int = 0) -> str:
+        self._not_elastic("algorithm_for")
+
+    def abort(self, reason: str = "abort() called") -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Leaves the group: the others go on without this member after their next view change."""
+        self._comm.close()
