@@ -29,6 +29,22 @@ def _testbed_parsers(sub):
                      help="seconds the other ranks get after one fails, before they are killed (default 10)")
     run.add_argument("--env", action="append", default=[], metavar="K=V", help="extra environment variable")
     run.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD ARGS...")
+    churn = tsub.add_parser("churn", help="elastic members on this machine under kills, stops and joins",
+                            description="MEMBERS elastic members (processes on loopback) run allreduces on "
+                            "deterministic inputs, each checking every result it returns, while every EVERY seconds "
+                            "a random member is killed (-9), stopped (SIGSTOP, then SIGCONT) or the most senior one "
+                            "killed, and joiners keep the group at MEMBERS. Reports operations committed, failed and "
+                            "wrong (must be 0), and the time from each kill or stop to the next committed operation.")
+    churn.add_argument("--members", type=int, default=4, help="group size to keep (default 4, at least 3)")
+    churn.add_argument("--seconds", type=float, default=90.0, help="how long the chaos lasts (default 90)")
+    churn.add_argument("--minutes", type=float, help="the same in minutes (a soak)")
+    churn.add_argument("--every", type=float, default=1.5, help="seconds between actions (default 1.5)")
+    churn.add_argument("--heartbeat-timeout", type=float, default=0.5,
+                       help="the members' PLAIT_HEARTBEAT_TIMEOUT (default 0.5)")
+    churn.add_argument("--actions", default="kill,stop,kill-leader",
+                       help="comma-separated, among kill, stop, kill-leader (default: all)")
+    churn.add_argument("--seed", type=int, default=0)
+    add_json_option(churn)
     status = tsub.add_parser("status", help="list the testbeds that are up and their addresses")
     add_json_option(status, help="write the testbeds as JSON to PATH; `--json -` (or --json alone) to stdout "
                     "instead of the table")
@@ -87,6 +103,8 @@ def _testbed(args, parser):
     from ._ui import Console
 
     console = Console(stderr=True, highlight=False)
+    if args.tb_command == "churn":
+        return _churn(args, console)
     why = T.not_linux()
     if why:
         console.print(f"[red]plait testbed: {why}")
@@ -167,6 +185,38 @@ def _print_status(beds, console):
                                                                                   else "") for c in node["cables"])
             t.add_row(str(node["node"]), node["namespace"], node["lan"], cables)
         console.print(t)
+
+
+def _churn(args, console):
+    from ._jsonout import to_stdout, write_json
+    from .testbed.churn import run_churn
+
+    if args.members < 3:
+        console.print("[red]plait testbed churn: --members must be at least 3 (a majority must survive a loss)")
+        return 2
+    kinds = tuple(k.strip() for k in args.actions.split(",") if k.strip())
+    bad = [k for k in kinds if k not in ("kill", "stop", "kill-leader")]
+    if bad or not kinds:
+        console.print(f"[red]plait testbed churn: unknown action(s) {bad}: use kill, stop, kill-leader")
+        return 2
+    seconds = args.minutes * 60 if args.minutes else args.seconds
+    _sigterm_as_exit()
+    report = run_churn(members=args.members, seconds=seconds, every=args.every, hb=args.heartbeat_timeout,
+                       kinds=kinds, seed=args.seed, progress=None if to_stdout(args.json) else console.print)
+    d = report.as_dict()
+    if args.json:
+        write_json(args.json, d)
+    if not to_stdout(args.json):
+        console.print(f"{seconds:.0f} s, {args.members} members: {report.committed} operations committed, "
+                      f"{report.failed} failed (PeerLost), {report.wrong} wrong; {report.kills} kills, "
+                      f"{report.stops} stops, {report.joins} joins, {report.epochs} epochs")
+        for kind in sorted(report.recovery_ms):
+            console.print(f"  {kind}: to the next committed operation p50 {report.percentile(kind, 50):.0f} ms, "
+                          f"p99 {report.percentile(kind, 99):.0f} ms ({len(report.recovery_ms[kind])} events)")
+        console.print(f"  longest stall {report.longest_stall_ms:.0f} ms")
+        for e in report.errors[:5]:
+            console.print(f"[red]  member error: {e}")
+    return 0 if report.wrong == 0 and not report.errors else 1
 
 
 def main(argv=None):

@@ -133,17 +133,28 @@ impl Control {
         let contact = contact_for(listener.local_addr()?);
         let nobody = View { epoch: 0, members: Vec::new(), done: 0, forced: false, contacts: BTreeMap::new() };
         let control = Control::start(cfg.clone(), me, contact, nobody, false, listener)?;
-        let mut why = Vec::new();
-        let mut linked = false;
-        for peer in peers {
-            match control.dial_join(peer, port) {
-                Ok(()) => {
-                    linked = true;
-                    break;
+        // Members come and go: every address is tried in turn until one answers or the
+        // deadline passes. A refusal (another token or group) ends it at once.
+        let mut why: Vec<String> = Vec::new();
+        let linked = 'dial: loop {
+            for peer in peers {
+                match control.dial_join(peer, port) {
+                    Ok(()) => break 'dial true,
+                    Err(e @ PlaitError::Config(_)) => {
+                        control.close();
+                        return Err(e);
+                    }
+                    Err(e) => {
+                        why.retain(|w| !w.starts_with(&format!("{peer}:")));
+                        why.push(format!("{peer}: {e}"));
+                    }
                 }
-                Err(e) => why.push(format!("{peer}: {e}")),
             }
-        }
+            if Instant::now() + Duration::from_millis(100) >= deadline {
+                break false;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        };
         if !linked {
             control.close();
             return Err(PlaitError::Rendezvous(format!("no member of group '{}' answered: {}", cfg.group, why.join("; "))));
@@ -454,12 +465,20 @@ impl Control {
             .next()
             .ok_or_else(|| PlaitError::Rendezvous(format!("{contact} resolves to no address")))?;
         let s = TcpStream::connect_timeout(&addr, self.cfg.connect_timeout).map_err(|e| PlaitError::Rendezvous(format!("cannot connect to {contact}: {e}")))?;
-        let link = CtlLink::establish(s, &self.cfg.group, self.cfg.token.as_deref(), true, self.cfg.connect_timeout)
-            .map_err(|e| PlaitError::Rendezvous(format!("{contact}: {e}")))?;
-        link.send(first)?;
-        match link.recv()? {
+        // A handshake that fails on what it read (another token, another group) is a refusal;
+        // a connection that ends is a member going away.
+        let failed = |e: std::io::Error| {
+            if e.kind() == std::io::ErrorKind::InvalidData {
+                PlaitError::Config(format!("{contact} refused this process: {e}"))
+            } else {
+                PlaitError::Rendezvous(format!("{contact}: {e}"))
+            }
+        };
+        let link = CtlLink::establish(s, &self.cfg.group, self.cfg.token.as_deref(), true, self.cfg.connect_timeout).map_err(failed)?;
+        link.send(first).map_err(failed)?;
+        match link.recv().map_err(failed)? {
             Ctl::Hello { id, .. } => Ok((id, Arc::new(link))),
-            Ctl::Refused { why } => Err(PlaitError::Rendezvous(format!("{contact} refused: {why}"))),
+            Ctl::Refused { why } => Err(PlaitError::Config(format!("{contact} refused this process: {why}"))),
             other => Err(PlaitError::Rendezvous(format!("{contact} answered {other:?}"))),
         }
     }
