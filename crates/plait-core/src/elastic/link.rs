@@ -178,22 +178,35 @@ fn handshake(s: &mut TcpStream, group: &str, token: &[u8], dialer: bool) -> io::
         s.write_all(&(n as u16).to_le_bytes())?;
         s.write_all(&buf[..n])
     };
+    // An empty message is the responder's "no": the dialer then knows the token (or group) is
+    // wrong, not that the member went away, and stops trying (an on-path attacker who forges it
+    // could have cut the connection anyway).
+    const NO: [u8; 2] = [0, 0];
+    let mismatch = || refused("the other end does not hold this group's PLAIT_TOKEN (or belongs to another group)");
     let recv = |hs: &mut snow::HandshakeState, s: &mut TcpStream, buf: &mut [u8]| -> io::Result<()> {
         let mut len = [0u8; 2];
         s.read_exact(&mut len)?;
         let len = u16::from_le_bytes(len) as usize;
+        if len == 0 {
+            return Err(mismatch());
+        }
         if len > buf.len() {
             return Err(refused("a handshake message too long to be a plait member's"));
         }
         let mut msg = vec![0u8; len];
         s.read_exact(&mut msg)?;
-        hs.read_message(&msg, buf).map(|_| ()).map_err(|_| refused("the other end does not hold this group's PLAIT_TOKEN (or belongs to another group)"))
+        hs.read_message(&msg, buf).map(|_| ()).map_err(|_| mismatch())
     };
     if dialer {
         send(&mut hs, s, &mut buf)?;
         recv(&mut hs, s, &mut buf)?;
     } else {
-        recv(&mut hs, s, &mut buf)?;
+        if let Err(e) = recv(&mut hs, s, &mut buf) {
+            if e.kind() == io::ErrorKind::InvalidData {
+                let _ = s.write_all(&NO);
+            }
+            return Err(e);
+        }
         send(&mut hs, s, &mut buf)?;
     }
     let state = hs.into_stateless_transport_mode().map_err(refused)?;

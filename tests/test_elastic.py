@@ -1,0 +1,164 @@
+"""Elastic mode with real processes on loopback: members found a group and join it, are killed
+(-9) or stopped (SIGSTOP) mid-loop, and every result any member returns is checked against the
+sum over the members of the view it ran in (`plait.tools.testbed.churn` runs the members and
+reads their logs)."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import harness
+import plait
+from plait.tools.testbed.churn import Churn, _events, run_churn
+
+pytestmark = pytest.mark.skipif(not hasattr(signal, "SIGSTOP"), reason="stops members with SIGSTOP")
+
+HB = 0.5
+
+
+def _group(tmp_path, n):
+    churn = Churn(n, HB, tmp_path)
+    churn.start()
+    return churn
+
+
+def _wait_for(cond, timeout, what):
+    end = time.time() + timeout
+    while time.time() < end:
+        if cond():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"not within {timeout} s: {what}")
+
+
+def _committed_after(churn, t, members):
+    """Operations committed after time `t` by `members` (logs), with their views' sizes."""
+    out = []
+    for m in members:
+        out += [e for e in _events(m.log) if e["event"] == "ok" and e["t"] > t]
+    return out
+
+
+def _check(report):
+    assert report.wrong == 0, "a member returned a wrong result"
+    assert not report.errors, report.errors
+    assert report.committed > 0
+
+
+def test_members_join_at_update_points_and_every_result_is_right(tmp_path):
+    churn = _group(tmp_path, 3)
+    try:
+        _wait_for(lambda: any(e["event"] == "ok" and e["members"] == 3 for e in _events(churn.members[0].log)),
+                  20, "an operation over all three members")
+        time.sleep(0.5)
+    finally:
+        churn.finish()
+    report = churn.report(0)
+    _check(report)
+    joined = [next(e for e in _events(m.log) if e["event"] == "joined") for m in churn.members]
+    assert [j["epoch"] for j in joined] == sorted(j["epoch"] for j in joined), "each joiner comes in at a later view"
+    assert len({j["id"] for j in joined}) == 3
+    for m in churn.members:
+        assert any(e["event"] == "left" for e in _events(m.log)), "every member left cleanly at the end"
+
+
+@pytest.mark.parametrize("who", ["member", "leader"])
+def test_the_others_go_on_without_a_killed_member(tmp_path, who):
+    churn = _group(tmp_path, 4)
+    try:
+        _wait_for(lambda: any(e["event"] == "ok" and e["members"] == 4 for e in _events(churn.members[-1].log)),
+                  20, "an operation over all four members")
+        victim = churn.members[0] if who == "leader" else churn.members[2]
+        survivors = [m for m in churn.members if m is not victim]
+        t = time.time()
+        churn.kill(victim, "kill-leader" if who == "leader" else "kill")
+        _wait_for(lambda: any(e["members"] == 3 for e in _committed_after(churn, t, survivors)), 10,
+                  "an operation over the three survivors")
+        recovered = min(e["t"] for e in _committed_after(churn, t, survivors) if e["members"] == 3) - t
+        harness.note(f"elastic: {who} killed (-9), 4 members: next committed allreduce over the 3 survivors "
+                     f"after {recovered * 1000:.0f} ms")
+    finally:
+        churn.finish()
+    _check(churn.report(0))
+
+
+def test_a_stopped_member_is_left_out_within_the_heartbeat_timeout_and_learns_it_was_evicted(tmp_path):
+    churn = _group(tmp_path, 4)
+    try:
+        _wait_for(lambda: any(e["event"] == "ok" and e["members"] == 4 for e in _events(churn.members[-1].log)),
+                  20, "an operation over all four members")
+        victim = churn.members[1]
+        survivors = [m for m in churn.members if m is not victim]
+        t = time.time()
+        churn.stop(victim, 3 * HB)
+        _wait_for(lambda: any(e["members"] == 3 for e in _committed_after(churn, t, survivors)), 10,
+                  "an operation over the three members left")
+        recovered = min(e["t"] for e in _committed_after(churn, t, survivors) if e["members"] == 3) - t
+        harness.note(f"elastic: member stopped (SIGSTOP), heartbeat timeout {HB} s: next committed allreduce after "
+                     f"{recovered * 1000:.0f} ms")
+        time.sleep(3 * HB)
+        churn.resume_due()
+        _wait_for(lambda: any(e["event"] == "evicted" for e in _events(victim.log)), 10,
+                  "the stopped member, resumed, learns it is no longer in the group")
+    finally:
+        churn.finish()
+    _check(churn.report(0))
+
+
+def test_a_joiner_with_another_token_is_refused_at_once(tmp_path, monkeypatch):
+    monkeypatch.setenv("PLAIT_TOKEN", "the group's secret")
+    churn = _group(tmp_path, 1)
+    try:
+        env = dict(os.environ, PLAIT_TOKEN="a guess", PYTHONPATH=os.pathsep.join(sys.path))
+        code = ("import plait.elastic, sys\n"
+                "try:\n"
+                f"    plait.elastic.join([{churn.members[0].contact!r}], listen='127.0.0.1:0', timeout=60)\n"
+                "except plait.ConfigError as e:\n"
+                "    print(e); sys.exit(3)\n")
+        start = time.time()
+        p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+        assert p.returncode == 3, p.stdout + p.stderr
+        assert "PLAIT_TOKEN" in p.stdout, p.stdout
+        assert time.time() - start < 30, "a refusal does not wait for the join timeout"
+    finally:
+        churn.finish()
+    _check(churn.report(0))
+
+
+def test_elastic_calls_check_their_arguments_and_a_single_member_works_alone():
+    import plait.elastic
+
+    comm = plait.elastic.join(listen="127.0.0.1:0", heartbeat_timeout=HB)
+    try:
+        assert (comm.rank, comm.world_size, comm.epoch) == (0, 1, 0)
+        x = np.arange(7, dtype=np.float32)
+        assert np.array_equal(comm.allreduce(x, "avg"), x)
+        assert comm.update() is False
+        with pytest.raises(plait.InvalidArgumentError):
+            comm.send(x, 0)
+        with pytest.raises(plait.InvalidArgumentError):
+            comm.allreduce(x, async_op=True)
+        with pytest.raises(plait.ConfigError):
+            plait.elastic.join(listen="127.0.0.1:0", heartbeat_timeout=0.1)
+    finally:
+        comm.close()
+
+
+def test_churn_for_90_seconds_commits_no_wrong_result(tmp_path):
+    """Kills, stops and leader kills every 1.5 s while joiners keep four members (`plait testbed
+    churn --seconds 90`)."""
+    report = run_churn(members=4, seconds=90, every=1.5, hb=HB, workdir=tmp_path)
+    d = report.as_dict()
+    harness.note(f"elastic churn 90 s: {report.committed} committed, {report.failed} failed, {report.wrong} wrong, "
+                 f"{report.kills} kills, {report.stops} stops, {report.joins} joins; recovery p50/p99 ms: "
+                 + ", ".join(f"{k} {d[k + '_p50_ms']:.0f}/{d[k + '_p99_ms']:.0f}" for k in sorted(report.recovery_ms))
+                 + f"; longest stall {report.longest_stall_ms:.0f} ms")
+    _check(report)
+    assert report.kills + report.stops >= 30
+    assert set(report.recovery_ms) == {"kill", "kill-leader", "stop"}
