@@ -39,7 +39,7 @@ fn read_link(demux: &Demux, mailbox: &Mailbox, stream: &[u8]) -> usize {
         }
         let before = rest.len();
         let mut payload = (&mut rest).take(h.nbytes);
-        let delivered = demux.deliver(1, &h, &mut payload as &mut dyn Read);
+        let delivered = demux.deliver(1, &h, &mut payload as &mut dyn Read, None);
         let consumed = (before - rest.len()) as u64;
         assert!(consumed <= h.nbytes, "a frame consumed {consumed} bytes, past the {} it announced", h.nbytes);
         assert!(mailbox.held_total() <= MIN_UNEXPECTED_BYTES, "more held than the peer's budget");
@@ -52,7 +52,7 @@ fn read_link(demux: &Demux, mailbox: &Mailbox, stream: &[u8]) -> usize {
 }
 
 fn fresh() -> (Demux, Arc<Mailbox>) {
-    let mailbox = Arc::new(Mailbox::with_budget(MIN_UNEXPECTED_BYTES));
+    let mailbox = Arc::new(Mailbox::with_limits(MIN_UNEXPECTED_BYTES, Duration::from_secs(60)));
     (Demux::new(mailbox.clone(), Duration::from_secs(1), Some(Arc::new(Groups::default()))), mailbox)
 }
 
