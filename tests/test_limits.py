@@ -4,6 +4,7 @@ or infinity, PLAIT_TIMEOUT=inf or a world size of 2**32+2 panicked in the core (
 arithmetic) or hung. Python and Rust check through the same validator (the core's)."""
 
 import datetime
+import time
 import threading
 
 import numpy as np
@@ -173,3 +174,112 @@ def test_the_validator_is_the_cores():
     assert limits["PLAIT_TIMEOUT"] == (0.001, 31536000.0) and limits["PLAIT_STREAMS"] == (1, 16)
     with pytest.raises(plait.ConfigError, match=r"PLAIT_TIMEOUT=1e19: must be a number of seconds between 0.001 and 31536000"):
         core.check_setting("PLAIT_TIMEOUT", "1e19")
+
+
+# -- early frames over PLAIT_UNEXPECTED_BYTES wait for their receive (flow control) ----------------
+# A rank that enters a call late gets the call's data as early frames. Over the per-peer budget the
+# link used to be cut ("over the ... bytes allowed per peer"); now the reader stops taking that
+# peer's frames (TCP holds the sender back) until the receive is posted, and only a receive that
+# never comes within the timeout fails, naming the peer, the frame and the setting.
+MIB = 1 << 20
+
+
+def _two_ranks(fn, timeout=60):
+    """fn(rank) on a thread per rank, each with its own Communicator; returns the results."""
+    out, errors = [None, None], []
+
+    def go(r):
+        try:
+            out[r] = fn(r)
+        except BaseException as e:  # re-raised below
+            errors.append(e)
+
+    threads = [threading.Thread(target=go, args=(r,), daemon=True) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    assert not any(t.is_alive() for t in threads), "a rank hung"
+    if errors:
+        raise errors[0]
+    return out
+
+
+@pytest.fixture
+def small_budget(monkeypatch):
+    monkeypatch.setenv("PLAIT_UNEXPECTED_BYTES", str(MIB))
+
+
+def test_a_late_rank_gets_an_allreduce_16x_its_budget_right(small_budget):
+    """Was: the early rank's 16 MiB arrived before rank 1 posted anything and the link was cut
+    naming PLAIT_UNEXPECTED_BYTES."""
+    store = torch_dist.HashStore()
+    n = 4 * MIB  # float32: 16 MiB
+
+    def rank(r):
+        with plait.Communicator(store, r, 2, timeout=20) as c:
+            if r == 1:
+                time.sleep(1.0)
+            x = np.arange(n, dtype=np.float32) + r
+            return c.allreduce(x)
+
+    for y in _two_ranks(rank):
+        assert np.array_equal(y, 2 * np.arange(n, dtype=np.float32) + 1)
+
+
+def test_sends_of_many_times_the_budget_before_their_receives_arrive_whole(small_budget):
+    """Was: the second message went over the budget and the link was cut."""
+    store = torch_dist.HashStore()
+    sizes = [3 * MIB, MIB // 2, 5 * MIB]  # bytes; the largest alone is 5x the budget
+
+    def rank(r):
+        with plait.Communicator(store, r, 2, timeout=20) as c:
+            if r == 0:
+                works = [c.send(np.full(s, i + 1, np.uint8), 1, tag=7, async_op=True) for i, s in enumerate(sizes)]
+                for w in works:
+                    w.wait()
+                return None
+            time.sleep(1.0)
+            got = []
+            for s in sizes:
+                out = np.zeros(s, np.uint8)
+                c.recv(out, 0, tag=7)
+                got.append(out)
+            return got
+
+    got = _two_ranks(rank)[1]
+    for i, (s, out) in enumerate(zip(sizes, got)):
+        assert out.size == s and np.all(out == i + 1), f"message {i}"
+
+
+def test_a_frame_over_the_budget_that_nothing_receives_fails_at_the_timeout_naming_it(small_budget):
+    """The wait for a receive is bounded: with none posted, rank 1 fails once the communicator's
+    timeout has passed (not before: the receive may still come), naming rank 0, the message and
+    the settings. Was: it failed at once."""
+    store = torch_dist.HashStore()
+    timeout = 2.0
+
+    def rank(r):
+        with plait.Communicator(store, r, 2, timeout=timeout) as c:
+            if r == 0:
+                try:  # its own wait outlasts rank 1's: rank 1 must be the one that gives up
+                    c.send(np.ones(8 * MIB, np.uint8), 1, tag=3, timeout=30)
+                except plait.PlaitError:
+                    pass  # rank 1 never takes it and fails: so does this rank
+                return None
+            t0 = time.monotonic()
+            other = c.recv(np.zeros(1, np.uint8), 0, tag=4, timeout=30, async_op=True)  # never sent
+            try:
+                other.wait()
+            except plait.PlaitError as e:
+                return e, time.monotonic() - t0
+            return None
+
+    got = _two_ranks(rank)[1]
+    assert got is not None, "rank 1 never failed"
+    err, after = got
+    text = str(err)
+    assert after >= 0.8 * timeout, f"failed after {after:.2f} s, before the timeout: {text}"
+    assert after < 20, f"failed only after {after:.2f} s"
+    for part in ("rank 0", "tag 3", "PLAIT_UNEXPECTED_BYTES", "PLAIT_TIMEOUT"):
+        assert part in text, f"{part!r} not in: {text}"

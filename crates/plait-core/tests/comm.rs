@@ -364,3 +364,118 @@ fn a_receive_aborted_mid_message_leaves_its_buffer_as_it_was() {
     });
     assert_eq!(results, vec![true, true]);
 }
+
+// -- flow control: early data over PLAIT_UNEXPECTED_BYTES waits in the socket for its receive --
+
+const MIB: usize = 1 << 20;
+
+/// A 1 MiB budget for early frames, and who reads the links: the receiver threads, or (for
+/// blocking calls of any size) the waiting caller itself.
+fn small_budget(streams: usize, caller_reads: bool) -> impl Fn(&mut CommConfig) + Send + Sync + 'static {
+    move |cfg: &mut CommConfig| {
+        cfg.unexpected_bytes = MIB as u64;
+        cfg.streams = streams;
+        if caller_reads {
+            cfg.caller_read_bytes = 1 << 30;
+        }
+    }
+}
+
+/// Was: the late rank's link was cut ("over the 1048576 bytes allowed per peer").
+#[test]
+fn a_late_rank_gets_collectives_of_many_times_its_budget_right() {
+    for (n, streams, caller_reads) in [(2, 1, false), (2, 1, true), (3, 3, false), (3, 1, true)] {
+        let results = world_with(n, 0, small_budget(streams, caller_reads), move |comm| {
+            let r = comm.rank();
+            if r == n - 1 {
+                std::thread::sleep(Duration::from_millis(500));
+            }
+            let count = 4 * MIB; // 16 MiB of f32
+            let mut input: Vec<f32> = (0..count).map(|i| (i % 1001) as f32 + r as f32).collect();
+            let mut output = vec![0.0f32; count];
+            let reduced = allreduce(&comm, &mut input, &mut output, None).map(|_| {
+                output.iter().enumerate().all(|(i, v)| *v == (0..n).map(|q| (i % 1001) as f32 + q as f32).sum::<f32>())
+            });
+            // A broadcast from rank 0 (the whole 16 MiB goes to late ranks at once), then late again.
+            if r == n - 1 {
+                std::thread::sleep(Duration::from_millis(300));
+            }
+            let mut data: Vec<f32> = if r == 0 { (0..count).map(|i| i as f32).collect() } else { vec![0.0; count] };
+            let req = CollRequest {
+                coll: Collective::Broadcast,
+                dtype: DType::F32,
+                op: ReduceOp::Sum,
+                root: 0,
+                input: f32_buf(&mut data),
+                output: f32_buf(&mut data),
+                send_counts: None,
+                recv_counts: None,
+                timeout: None,
+                algo: None,
+                wire: None,
+            };
+            let sent = unsafe { comm.collective(req, true) }.and_then(|w| w.wait(None).unwrap()).map(|_| data.iter().enumerate().all(|(i, v)| *v == i as f32));
+            (reduced.map_err(|e| e.to_string()), sent.map_err(|e| e.to_string()))
+        });
+        for (r, (reduced, sent)) in results.iter().enumerate() {
+            assert_eq!(reduced, &Ok(true), "n={n} streams={streams} caller_reads={caller_reads}: allreduce on rank {r}");
+            assert_eq!(sent, &Ok(true), "n={n} streams={streams} caller_reads={caller_reads}: broadcast on rank {r}");
+        }
+    }
+}
+
+/// Was: the second message went over the budget and the link was cut.
+#[test]
+fn sends_of_many_times_the_budget_before_their_receives_arrive_whole_and_in_order() {
+    for (streams, caller_reads) in [(1, false), (1, true), (3, false)] {
+        let results = world_with(2, 0, small_budget(streams, caller_reads), |comm| {
+            let sizes = [3 * MIB, MIB / 2, 5 * MIB, 100];
+            let buf = |v: &mut Vec<u8>| RawBuf { ptr: v.as_mut_ptr(), len: v.len() };
+            if comm.rank() == 0 {
+                let mut msgs: Vec<Vec<u8>> = sizes.iter().enumerate().map(|(k, &s)| vec![k as u8 + 1; s]).collect();
+                let works: Vec<_> = msgs.iter_mut().map(|m| unsafe { comm.send(buf(m), DType::U8, 1, 7, None, false) }.unwrap()).collect();
+                return works.into_iter().map(|w| w.wait(None).unwrap().map(|_| String::new()).unwrap_or_else(|e| e.to_string())).collect::<Vec<_>>();
+            }
+            std::thread::sleep(Duration::from_millis(500));
+            let mut wrong = Vec::new();
+            for (k, &s) in sizes.iter().enumerate() {
+                let mut got = vec![0u8; s];
+                // Blocking receives; the third from any source.
+                let src = if k == 2 { None } else { Some(0) };
+                match unsafe { comm.recv(buf(&mut got), DType::U8, src, 7, None, true) }.and_then(|w| w.wait(None).unwrap()) {
+                    Err(e) => wrong.push(format!("message {k}: {e}")),
+                    Ok(_) if got.iter().any(|b| *b != k as u8 + 1) => wrong.push(format!("message {k}: wrong contents")),
+                    Ok(_) => {}
+                }
+            }
+            wrong
+        });
+        assert!(results.iter().flatten().all(|e| e.is_empty()), "streams={streams} caller_reads={caller_reads}: {results:?}");
+    }
+}
+
+/// A rank whose link has a parked frame can still abort and close at once: the parked reader
+/// wakes and ends instead of waiting out the frame's timeout (30 s here).
+#[test]
+fn a_rank_with_a_parked_frame_aborts_and_closes_without_waiting_for_it() {
+    for caller_reads in [false, true] {
+        let results = world_with(2, 0, move |cfg| {
+            small_budget(1, caller_reads)(cfg);
+            cfg.timeout = Duration::from_secs(30);
+        }, |comm| {
+            let buf = |v: &mut Vec<u8>| RawBuf { ptr: v.as_mut_ptr(), len: v.len() };
+            let mut msg = vec![1u8; 8 * MIB];
+            if comm.rank() == 0 {
+                // Never received: it ends when rank 1 aborts.
+                let w = unsafe { comm.send(buf(&mut msg), DType::U8, 1, 3, None, false) }.unwrap();
+                return w.wait(Some(Duration::from_secs(25))).map(|r| r.is_err()).unwrap_or(false);
+            }
+            std::thread::sleep(Duration::from_millis(500));
+            let t = Instant::now();
+            comm.abort("done waiting");
+            comm.close();
+            t.elapsed() < Duration::from_secs(10)
+        });
+        assert_eq!(results, vec![true, true], "caller_reads={caller_reads}: (rank 0's send failed, rank 1 closed promptly)");
+    }
+}

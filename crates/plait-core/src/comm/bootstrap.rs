@@ -137,7 +137,7 @@ pub(crate) fn bootstrap(store: &dyn Store, cfg: &CommConfig) -> Result<Mesh> {
     };
     plan.publish(&format!("rank/{rank}"), &serde_json::to_vec(&me).unwrap())?;
 
-    let mailbox = Arc::new(Mailbox::with_budget(cfg.unexpected_bytes));
+    let mailbox = Arc::new(Mailbox::with_limits(cfg.unexpected_bytes, cfg.timeout));
     let groups = Arc::new(Groups::default());
     let demux = Arc::new(Demux::new(mailbox.clone(), plan.heartbeat, Some(groups.clone())));
     let mut session = Session::new(rank, size, mailbox, groups)?;

@@ -184,7 +184,7 @@ pub const SETTINGS: &[Setting] = &[
         name: "PLAIT_UNEXPECTED_BYTES",
         kind: "bytes",
         default: "1073741824",
-        doc: "Memory per peer for messages that arrive before their receive is posted (at least 1048576); a peer that sends more is disconnected with an error naming it.",
+        doc: "Memory per peer for messages that arrive before their receive is posted (at least 1048576); past it, that peer's message waits unread in the socket (TCP holds the sender back) until its receive is posted or room frees, and fails only after the timeout.",
         range: Some(UNEXPECTED_BYTES),
     },
     Setting {

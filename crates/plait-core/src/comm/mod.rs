@@ -130,7 +130,7 @@ impl Communicator {
             ..self.cfg.clone()
         };
         let id = group_id(&cfg.group);
-        let mailbox = Arc::new(Mailbox::with_budget(cfg.unexpected_bytes));
+        let mailbox = Arc::new(Mailbox::with_limits(cfg.unexpected_bytes, cfg.timeout));
         let demux = Arc::new(Demux::new(mailbox.clone(), bootstrap::heartbeat(self.cfg.timeout), None));
         let session = Arc::new(Session::subgroup(&self.session, id, ranks, mailbox));
         demux.attach(&session);

@@ -15,7 +15,7 @@ use parking_lot::Mutex;
 use std::io::{self, Read, Write};
 use std::net::{Shutdown, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -25,10 +25,45 @@ const EAGER_MAX: usize = 64 * 1024;
 
 /// Receives what a peer sends: implemented by the session's `Demux`, which routes each frame.
 pub trait Inbox: Send + Sync {
-    /// Must consume exactly `header.nbytes` bytes from `payload` (or fail).
-    fn deliver(&self, peer: usize, header: &FrameHeader, payload: &mut dyn Read) -> io::Result<()>;
+    /// Must consume exactly `header.nbytes` bytes from `payload` (or fail), or none of them and
+    /// answer `Parked` (only when `lane` is given): see `Delivery`.
+    fn deliver(&self, peer: usize, header: &FrameHeader, payload: &mut dyn Read, lane: Option<&LaneWaker>) -> io::Result<Delivery>;
     /// The link to `peer` ended: `clean` when the peer said Close first.
     fn link_down(&self, peer: usize, error: io::Error, clean: bool);
+}
+
+/// What became of a frame handed to an [`Inbox`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Delivery {
+    /// Read whole: landed, held, or dropped.
+    Taken,
+    /// Not read at all: nothing can take it now and holding it would go over what the inbox may
+    /// hold for this peer. The lane reads nothing more (its bytes wait in the socket, so TCP
+    /// holds the sender back) and offers the same frame again when its `LaneWaker` is woken, or
+    /// at `until`, when the inbox decides whether it has waited too long.
+    Parked { until: Instant },
+}
+
+/// Something that stops reading and can be told to look again (a lane's reader; tests' fakes).
+pub trait Resume: Send + Sync {
+    fn resume(&self);
+}
+
+/// Tells a lane that parked a frame to offer it again (a receive was posted, or room freed).
+/// Holds the lane weakly: waking a lane that has ended does nothing.
+#[derive(Clone)]
+pub struct LaneWaker(Weak<dyn Resume>);
+
+impl LaneWaker {
+    pub fn new(lane: Weak<dyn Resume>) -> LaneWaker {
+        LaneWaker(lane)
+    }
+
+    pub fn wake(&self) {
+        if let Some(lane) = self.0.upgrade() {
+            lane.resume();
+        }
+    }
 }
 
 /// Memory the sender thread reads from. The submitter keeps it alive until `done` is called.
@@ -116,7 +151,7 @@ impl PeerLink {
                 failed: None,
                 seal,
             }));
-            let read = Arc::new(ReadSide::new(peer, stream.try_clone()?, inbox.clone(), heartbeat, last_rx.clone(), epoch_start, deaf.clone())?.sealed(open));
+            let read = ReadSide::new(peer, stream.try_clone()?, inbox.clone(), heartbeat, last_rx.clone(), epoch_start, deaf.clone(), open)?;
             let (w, c) = (writer.clone(), closing.clone());
             let suffix = if i == 0 { String::new() } else { format!(".{i}") };
             threads.push(

@@ -18,22 +18,34 @@
 //! Receives that must not block go through `platform::socket`; waiting for the socket is in
 //! `wait`.
 //!
+//! Parking (flow control): when the inbox cannot take a frame now (its receive is not posted and
+//! holding it would go over what may be held for the peer), it answers `Delivery::Parked` without
+//! reading a byte of the payload. The lane then keeps the frame's header and reads nothing more:
+//! the receiver thread sleeps instead of waiting for the socket, and the lane leaves the callers'
+//! poll (its socket stays readable, which would wake every wait). The payload waits in the
+//! kernel's socket buffer, so TCP flow control stops the sender. Whoever can take the frame later
+//! (a receive posted, room freed) wakes the lane through its `LaneWaker`; the receiver thread
+//! then offers the frame again (in either mode: a caller's wait never blocks on a parked frame,
+//! and the caller that posts the receive need not read it itself). Past the parked deadline the
+//! frame is offered again anyway, and the inbox decides whether to fail the link. A shut link
+//! wakes the thread like any other stop.
+//!
 //! A sealed link (`PLAIT_ENCRYPT=1`) reads the same way, record by record (see `seal`): a
 //! header's record whole, then each payload record through `Unsealing` into plaintext that the
 //! payload's reader hands out. Records never span frames, so between frames nothing is left
 //! decrypted and the readiness rule above still holds.
 
 use super::frame::{FrameHeader, FrameKind, HEADER_LEN};
-use super::peer::Inbox;
+use super::peer::{Delivery, Inbox, LaneWaker, Resume};
 use super::seal::{sealed_len, Opener, RECORD_MAX};
 use super::wait::SocketWait;
 use crate::platform::socket;
 use parking_lot::{Condvar, Mutex};
-use polling::Events;
+use polling::{Event, Events, PollMode, Poller};
 use std::io::{self, Read};
 use std::net::TcpStream;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
 pub(super) struct ReadSide {
@@ -49,6 +61,16 @@ pub(super) struct ReadSide {
     wait: SocketWait,
     /// Whether the socket is still registered in a `CallerPoll` (it leaves once the link ends).
     pub(super) with_callers: AtomicBool,
+    /// That poll and this lane's key in it, to leave it while a frame is parked.
+    callers: OnceLock<(Arc<Poller>, usize)>,
+    /// Held while this lane's interest in that poll changes, so it always matches `parked`.
+    interest: Mutex<()>,
+    /// A frame is parked: nobody reads this lane until it is offered again.
+    parked: AtomicBool,
+    /// The lane was woken since a parked frame was last offered (see `Resume`).
+    woken: AtomicBool,
+    /// Handed to the inbox with every frame, to wake this lane once a parked frame may go on.
+    waker: LaneWaker,
     /// Nanoseconds since `epoch_start` when the last byte arrived from this peer.
     pub last_rx: Arc<AtomicU64>,
     pub epoch_start: Instant,
@@ -60,6 +82,8 @@ pub(super) struct ReadSide {
 }
 
 impl ReadSide {
+    /// A lane's reading side; frames on it are sealed with `open`'s keys (when given).
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         peer: usize,
         stream: TcpStream,
@@ -68,32 +92,50 @@ impl ReadSide {
         last_rx: Arc<AtomicU64>,
         epoch_start: Instant,
         deaf: Arc<AtomicBool>,
-    ) -> io::Result<ReadSide> {
-        Ok(ReadSide {
-            wait: SocketWait::new(&stream)?,
+        open: Option<Opener>,
+    ) -> io::Result<Arc<ReadSide>> {
+        let wait = SocketWait::new(&stream)?;
+        let open = open.map(|opener| Box::new(Unsealing { opener, wire: vec![0; sealed_len(RECORD_MAX)], plain: vec![0; RECORD_MAX], start: 0, end: 0 }));
+        Ok(Arc::new_cyclic(|me: &Weak<ReadSide>| ReadSide {
+            wait,
             peer,
             stream,
             inbox,
             heartbeat,
-            frame_lock: Mutex::new(RxBuf { data: vec![0; RX_BUF], start: 0, end: 0, lowat: 1, open: None }),
+            frame_lock: Mutex::new(RxBuf { data: vec![0; RX_BUF], start: 0, end: 0, lowat: 1, open, parked: None }),
             caller_mode: AtomicBool::new(false),
             park: Mutex::new(()),
             unpark: Condvar::new(),
             with_callers: AtomicBool::new(false),
+            callers: OnceLock::new(),
+            interest: Mutex::new(()),
+            parked: AtomicBool::new(false),
+            woken: AtomicBool::new(false),
+            waker: LaneWaker::new(me.clone() as Weak<dyn Resume>),
             last_rx,
             epoch_start,
             deaf,
             ended: AtomicBool::new(false),
             closed_cleanly: AtomicBool::new(false),
-        })
+        }))
     }
 
-    /// Frames on this link are sealed with `open`'s keys (when given).
-    pub fn sealed(mut self, open: Option<Opener>) -> ReadSide {
-        self.frame_lock.get_mut().open = open.map(|opener| {
-            Box::new(Unsealing { opener, wire: vec![0; sealed_len(RECORD_MAX)], plain: vec![0; RECORD_MAX], start: 0, end: 0 })
-        });
-        self
+    /// Joins the callers' `poll` under `key`, interested in the socket unless a frame is parked.
+    pub(super) fn join_callers(&self, poll: &Arc<Poller>, key: usize) -> io::Result<()> {
+        let _g = self.interest.lock();
+        // SAFETY: the poll keeps the side (and so its stream) alive, and deletes it first.
+        unsafe { poll.add_with_mode(&self.stream, self.caller_interest(key), PollMode::Level)? };
+        let _ = self.callers.set((poll.clone(), key));
+        self.with_callers.store(true, Ordering::Release);
+        Ok(())
+    }
+
+    fn caller_interest(&self, key: usize) -> Event {
+        if self.parked.load(Ordering::Acquire) {
+            Event::none(key)
+        } else {
+            Event::readable(key)
+        }
     }
 
     /// Whether a caller may poll and read this link now.
@@ -154,12 +196,29 @@ impl ReadSide {
             if self.deaf.load(Ordering::Acquire) || self.ended.load(Ordering::Acquire) {
                 return;
             }
+            if self.parked.load(Ordering::Acquire) && !self.caller_mode.load(Ordering::Acquire) {
+                {
+                    let mut g = self.park.lock();
+                    if self.parked.load(Ordering::Acquire) && !self.woken.load(Ordering::Acquire) && !self.finished() && !self.caller_mode.load(Ordering::Acquire) {
+                        self.unpark.wait_for(&mut g, self.heartbeat);
+                    }
+                }
+                // The peer is not silent: its bytes wait for this rank to read them.
+                self.touch();
+                let mut rx = self.frame_lock.lock();
+                self.read_waiting(&mut rx, None);
+                continue;
+            }
             if self.caller_mode.load(Ordering::Acquire) {
                 {
                     let mut g = self.park.lock();
-                    if self.caller_mode.load(Ordering::Acquire) && !self.deaf.load(Ordering::Acquire) {
+                    let offer_now = self.parked.load(Ordering::Acquire) && self.woken.load(Ordering::Acquire);
+                    if self.caller_mode.load(Ordering::Acquire) && !self.deaf.load(Ordering::Acquire) && !offer_now {
                         self.unpark.wait_for(&mut g, self.heartbeat);
                     }
+                }
+                if self.parked.load(Ordering::Acquire) {
+                    self.touch();
                 }
                 if self.caller_mode.load(Ordering::Acquire) {
                     // Nobody may be waiting on this link: keep liveness and control frames flowing.
@@ -190,10 +249,24 @@ impl ReadSide {
     /// is read to its end, waiting until `deadline` at most for the rest of it (None: blocking).
     /// Returns false when the link ended; when it returns true, less than a header is left in
     /// the buffer, so a waiter may rely on the socket's readiness alone.
+    /// A parked frame is offered again first, when it is due; while it stays parked nothing
+    /// else is read.
     fn read_waiting(&self, rx: &mut RxBuf, deadline: Option<Instant>) -> bool {
         loop {
             if self.ended.load(Ordering::Acquire) || self.deaf.load(Ordering::Acquire) {
                 return false;
+            }
+            if let Some(parked) = &rx.parked {
+                let due = self.woken.swap(false, Ordering::AcqRel) || Instant::now() >= parked.until;
+                if !due {
+                    return true;
+                }
+                let header = parked.header;
+                if let Err(e) = self.offer(rx, header, deadline) {
+                    self.end(e);
+                    return false;
+                }
+                continue;
             }
             if rx.len() < rx.header_len() {
                 match fill(&self.stream, rx, Wait::No) {
@@ -250,16 +323,58 @@ impl ReadSide {
             Some(FrameKind::Close) if header.group == 0 => self.closed_cleanly.store(true, Ordering::Release),
             _ => {}
         }
+        self.offer(rx, header, deadline)
+    }
+
+    /// Hands the frame whose header was just read (or that was parked) to the inbox: it is read
+    /// whole, or parked (see the module doc).
+    fn offer(&self, rx: &mut RxBuf, header: FrameHeader, deadline: Option<Instant>) -> io::Result<()> {
+        let wait = match deadline {
+            Some(d) => Wait::Until(d),
+            None => Wait::Forever,
+        };
+        let was_parked = rx.parked.take().is_some();
         let mut payload = Payload { rx, stream: &self.stream, wait, left: header.nbytes, side: self };
-        let delivered = self.inbox.deliver(self.peer, &header, &mut payload);
+        let delivered = self.inbox.deliver(self.peer, &header, &mut payload, Some(&self.waker));
         // Headers and polls must see every byte again.
         set_lowat(&self.stream, payload.rx, 1);
-        delivered?;
-        if payload.left != 0 {
+        let left = payload.left;
+        match delivered? {
+            Delivery::Parked { until } => {
+                if left != header.nbytes {
+                    return Err(io::Error::other("internal error: a frame was parked after part of it was read"));
+                }
+                rx.parked = Some(Parked { header, until });
+                if !was_parked {
+                    self.hold_back(true);
+                }
+                return Ok(());
+            }
+            Delivery::Taken if was_parked => self.hold_back(false),
+            Delivery::Taken => {}
+        }
+        if left != 0 {
             // Only a read that failed part-way leaves payload behind: the link went down mid-frame.
             return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "the connection closed in the middle of a message"));
         }
         Ok(())
+    }
+
+    /// Stops (true) or resumes (false) reading this lane for a parked frame: callers' waits
+    /// ignore the socket meanwhile, and the receiver thread sleeps instead of waiting on it.
+    fn hold_back(&self, on: bool) {
+        {
+            let _g = self.interest.lock();
+            self.parked.store(on, Ordering::Release);
+            if let (Some((poller, key)), true) = (self.callers.get(), self.with_callers.load(Ordering::Acquire)) {
+                // An error means the lane already left the poll (it ended): nothing to change.
+                let _ = poller.modify_with_mode(&self.stream, self.caller_interest(*key), PollMode::Level);
+            }
+        }
+        if !on {
+            // The receiver thread may be asleep for the parked frame: back to the socket.
+            self.unpark();
+        }
     }
 
     fn touch(&self) {
@@ -286,6 +401,23 @@ pub(super) struct RxBuf {
     lowat: usize,
     /// A sealed link's receiving keys and record buffers.
     open: Option<Box<Unsealing>>,
+    /// The frame the inbox could not take yet (its payload not read at all).
+    parked: Option<Parked>,
+}
+
+struct Parked {
+    header: FrameHeader,
+    /// When to offer it again even if the lane is not woken.
+    until: Instant,
+}
+
+/// The inbox can take a parked frame now (or it should look again): offer it on the receiver
+/// thread, whichever mode the lane is in.
+impl Resume for ReadSide {
+    fn resume(&self) {
+        self.woken.store(true, Ordering::Release);
+        self.unpark();
+    }
 }
 
 /// One record of a sealed link at a time: as read off the wire, then opened.
@@ -476,18 +608,18 @@ pub(super) mod testing {
     pub(super) struct Collect(pub(super) crossbeam_channel::Sender<Vec<u8>>);
 
     impl Inbox for Collect {
-        fn deliver(&self, _peer: usize, h: &FrameHeader, payload: &mut dyn Read) -> io::Result<()> {
+        fn deliver(&self, _peer: usize, h: &FrameHeader, payload: &mut dyn Read, _lane: Option<&LaneWaker>) -> io::Result<Delivery> {
             let mut v = vec![0u8; h.nbytes as usize];
             payload.read_exact(&mut v)?;
             let _ = self.0.send(v);
-            Ok(())
+            Ok(Delivery::Taken)
         }
         fn link_down(&self, _peer: usize, _error: io::Error, _clean: bool) {}
     }
 
     pub(in crate::net) fn side_for(stream: TcpStream, peer: usize, sink: crossbeam_channel::Sender<Vec<u8>>) -> Arc<ReadSide> {
         let deaf = Arc::new(AtomicBool::new(false));
-        Arc::new(ReadSide::new(peer, stream, Arc::new(Collect(sink)), Duration::from_secs(1), Arc::new(AtomicU64::new(0)), Instant::now(), deaf).unwrap())
+        ReadSide::new(peer, stream, Arc::new(Collect(sink)), Duration::from_secs(1), Arc::new(AtomicU64::new(0)), Instant::now(), deaf, None).unwrap()
     }
 }
 
@@ -507,10 +639,9 @@ mod tests {
         let (rx_stream, _) = listener.accept().unwrap();
         let (got_tx, got) = crossbeam_channel::unbounded();
         let deaf = Arc::new(AtomicBool::new(false));
-        let side = Arc::new(
-            ReadSide::new(1, rx_stream, Arc::new(Collect(got_tx)), Duration::from_secs(1), Arc::new(AtomicU64::new(0)), Instant::now(), deaf.clone())
-                .unwrap(),
-        );
+        let side =
+            ReadSide::new(1, rx_stream, Arc::new(Collect(got_tx)), Duration::from_secs(1), Arc::new(AtomicU64::new(0)), Instant::now(), deaf.clone(), None)
+                .unwrap();
         let runner = side.clone();
         let thread = std::thread::spawn(move || runner.run());
         // Bulk traffic first, so receive-window autotuning opens the window wide: a narrow

@@ -86,7 +86,7 @@ mod tests {
     use crate::net::frame::{FrameHeader, FrameKind};
     use crate::net::handshake::testing::{hello, lo_route, soon};
     use crate::net::listener::Listener;
-    use crate::net::peer::{write_sealed, Inbox, SendBuf, SendReq};
+    use crate::net::peer::{write_sealed, Delivery, Inbox, LaneWaker, SendBuf, SendReq};
     use crate::net::reader::ReadSide;
     use crossbeam_channel::{Receiver, Sender};
     use std::io::{self, Read, Write};
@@ -112,14 +112,14 @@ mod tests {
     struct Record(Sender<Got>);
 
     impl Inbox for Record {
-        fn deliver(&self, _peer: usize, h: &FrameHeader, payload: &mut dyn Read) -> io::Result<()> {
+        fn deliver(&self, _peer: usize, h: &FrameHeader, payload: &mut dyn Read, _lane: Option<&LaneWaker>) -> io::Result<Delivery> {
             let mut v = vec![0u8; h.nbytes as usize];
             // Odd-sized reads, as a reduction reading piece by piece does.
             for piece in v.chunks_mut(1000) {
                 payload.read_exact(piece)?;
             }
             let _ = self.0.send(Got::Frame(v));
-            Ok(())
+            Ok(Delivery::Taken)
         }
         fn link_down(&self, _peer: usize, error: io::Error, _clean: bool) {
             let _ = self.0.send(Got::Down(error));
@@ -130,11 +130,8 @@ mod tests {
     fn receiver(end: LinkStream) -> (Receiver<Got>, Arc<ReadSide>, Arc<AtomicBool>) {
         let (tx, rx) = crossbeam_channel::unbounded();
         let deaf = Arc::new(AtomicBool::new(false));
-        let side = Arc::new(
-            ReadSide::new(1, end.stream, Arc::new(Record(tx)), Duration::from_secs(1), Arc::new(AtomicU64::new(0)), Instant::now(), deaf.clone())
-                .unwrap()
-                .sealed(end.cipher.map(|c| c.open)),
-        );
+        let open = end.cipher.map(|c| c.open);
+        let side = ReadSide::new(1, end.stream, Arc::new(Record(tx)), Duration::from_secs(1), Arc::new(AtomicU64::new(0)), Instant::now(), deaf.clone(), open).unwrap();
         let r = side.clone();
         std::thread::spawn(move || r.run());
         (rx, side, deaf)

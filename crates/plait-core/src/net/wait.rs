@@ -53,7 +53,7 @@ impl SocketWait {
 /// at once (see the module doc). Links join when they start and leave once they end (a closed
 /// socket stays readable, which would otherwise wake every wait).
 pub struct CallerPoll {
-    poller: Poller,
+    poller: Arc<Poller>,
     /// Indexed by the key each side was registered with.
     sides: RwLock<Vec<Arc<ReadSide>>>,
     events: Mutex<Events>,
@@ -61,14 +61,13 @@ pub struct CallerPoll {
 
 impl CallerPoll {
     pub fn new() -> io::Result<CallerPoll> {
-        Ok(CallerPoll { poller: Poller::new()?, sides: RwLock::new(Vec::new()), events: Mutex::new(Events::new()) })
+        Ok(CallerPoll { poller: Arc::new(Poller::new()?), sides: RwLock::new(Vec::new()), events: Mutex::new(Events::new()) })
     }
 
     pub(super) fn add(&self, side: &Arc<ReadSide>) -> io::Result<()> {
         let mut sides = self.sides.write();
-        // SAFETY: the poll keeps the side (and so its stream) alive, and `Drop` deletes it first.
-        unsafe { self.poller.add_with_mode(&side.stream, Event::readable(sides.len()), PollMode::Level)? };
-        side.with_callers.store(true, Ordering::Release);
+        // The poll keeps the side (and so its stream) alive, and `Drop` deletes it first.
+        side.join_callers(&self.poller, sides.len())?;
         sides.push(side.clone());
         Ok(())
     }

@@ -45,6 +45,9 @@ pub(super) fn explain_abort(
 
 /// What a link that ended with `error` (and no Close frame) says about its peer.
 pub(super) fn link_end(error: &io::Error) -> String {
+    if let Some(never) = error.get_ref().and_then(|e| e.downcast_ref::<super::mailbox::NeverReceived>()) {
+        return format!("sent data this rank never posted a receive for: {never}");
+    }
     match error.kind() {
         io::ErrorKind::UnexpectedEof => "closed the connection (the process exited or was killed)".to_string(),
         io::ErrorKind::ConnectionReset => "reset the connection (the process died or the link dropped)".to_string(),

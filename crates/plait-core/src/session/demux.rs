@@ -8,7 +8,7 @@ use super::mailbox::Mailbox;
 use super::Session;
 use crate::error::PlaitError;
 use crate::net::frame::{AbortReason, FrameHeader, FrameKind, PING_TAG, PONG_TAG, REASON_MAX_BYTES};
-use crate::net::peer::Inbox;
+use crate::net::peer::{Delivery, Inbox, LaneWaker};
 use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::io::{self, Read};
@@ -131,11 +131,27 @@ fn read_text(h: &FrameHeader, payload: &mut dyn Read, max: usize) -> io::Result<
 }
 
 impl Inbox for Demux {
-    fn deliver(&self, peer: usize, h: &FrameHeader, payload: &mut dyn Read) -> io::Result<()> {
+    fn deliver(&self, peer: usize, h: &FrameHeader, payload: &mut dyn Read, lane: Option<&LaneWaker>) -> io::Result<Delivery> {
         // The links' own demux hands subgroups' frames on; a subgroup's gets only its own.
         if let (Some(groups), true) = (&self.groups, h.group != 0) {
-            return groups.deliver(peer, h, payload);
+            return groups.deliver(peer, h, payload, lane);
         }
+        if let Some(FrameKind::Data | FrameKind::P2p) = FrameKind::from_u8(h.kind) {
+            if h.kind != FrameKind::P2p as u8 || h.seq != PING_TAG {
+                return self.mailbox.deliver(peer, h, payload, lane);
+            }
+        }
+        self.control(peer, h, payload).map(|_| Delivery::Taken)
+    }
+
+    fn link_down(&self, peer: usize, error: io::Error, clean: bool) {
+        self.link_ended(peer, error, clean)
+    }
+}
+
+impl Demux {
+    /// Link probes, Abort, Refuse and Close frames, and kinds from newer versions (read, ignored).
+    fn control(&self, peer: usize, h: &FrameHeader, payload: &mut dyn Read) -> io::Result<()> {
         match FrameKind::from_u8(h.kind) {
             Some(FrameKind::P2p) if h.seq == PING_TAG => {
                 // Answered here, on the receiver thread, so the prober measures the link alone.
@@ -154,7 +170,6 @@ impl Inbox for Demux {
                 }
                 Ok(())
             }
-            Some(FrameKind::Data) | Some(FrameKind::P2p) => self.mailbox.deliver(peer, h, payload),
             Some(FrameKind::Abort) => {
                 let reason = AbortReason::parse(peer, &read_text(h, payload, REASON_MAX_BYTES)?);
                 let err = self.explain_abort(peer, &reason);
@@ -198,7 +213,7 @@ impl Inbox for Demux {
         }
     }
 
-    fn link_down(&self, peer: usize, error: io::Error, clean: bool) {
+    fn link_ended(&self, peer: usize, error: io::Error, clean: bool) {
         if clean {
             return;
         }
@@ -239,13 +254,13 @@ mod tests {
         for kind in [FrameKind::Abort, FrameKind::Close, FrameKind::Refuse, FrameKind::Heartbeat] {
             // An endless stream behind a header that claims a terabyte: nothing may be read.
             let mut endless = io::repeat(b'x');
-            let err = demux.deliver(1, &control(kind, 1 << 40), &mut endless).expect_err("refused");
+            let err = demux.deliver(1, &control(kind, 1 << 40), &mut endless, None).expect_err("refused");
             assert_eq!(err.kind(), io::ErrorKind::InvalidData);
             assert!(err.to_string().contains("control frames carry at most"), "{err}");
         }
         let mut endless = io::repeat(b'x');
         let ping = FrameHeader { seq: PING_TAG, ..control(FrameKind::P2p, 1 << 40) };
-        assert!(demux.deliver(1, &ping, &mut endless).is_err(), "a link probe is a control frame too");
+        assert!(demux.deliver(1, &ping, &mut endless, None).is_err(), "a link probe is a control frame too");
     }
 
     #[test]
@@ -254,8 +269,9 @@ mod tests {
         for kind in [FrameKind::Data, FrameKind::P2p] {
             for nbytes in [1u64 << 40, 1 << 63, u64::MAX] {
                 let h = FrameHeader { count: nbytes, seq: 1, ..control(kind, nbytes) };
-                let err = demux.deliver(1, &h, &mut io::repeat(b'x')).expect_err("refused");
-                assert!(err.to_string().contains("allowed per peer"), "{err}");
+                let err = demux.deliver(1, &h, &mut io::repeat(b'x'), None).expect_err("refused");
+                // Past any buffer's size: refused as such; below it: over this peer's budget.
+                assert!(err.to_string().contains(if nbytes > isize::MAX as u64 { "more than any buffer holds" } else { "allowed per peer" }), "{err}");
             }
         }
     }
@@ -266,7 +282,7 @@ mod tests {
         let demux = Demux::new(mailbox, Duration::from_secs(1), None);
         let text = vec![b'r'; 10_000]; // longer than the REASON_MAX_BYTES of reason kept
         let mut payload = &text[..];
-        demux.deliver(1, &control(FrameKind::Refuse, text.len() as u64), &mut payload).expect("read");
+        demux.deliver(1, &control(FrameKind::Refuse, text.len() as u64), &mut payload, None).expect("read");
         assert!(payload.is_empty(), "the whole payload was consumed");
     }
 }

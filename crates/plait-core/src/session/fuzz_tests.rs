@@ -8,7 +8,7 @@ use super::demux::Demux;
 use super::groups::Groups;
 use super::mailbox::{Mailbox, MIN_UNEXPECTED_BYTES};
 use crate::net::frame::{FrameHeader, FrameKind, HEADER_LEN};
-use crate::net::peer::Inbox;
+use crate::net::peer::{Delivery, Inbox, LaneWaker, Resume};
 use proptest::prelude::*;
 use std::io::Read;
 use std::sync::Arc;
@@ -25,9 +25,19 @@ fn corpus() -> Vec<Vec<u8>> {
         .collect()
 }
 
-/// Reads `stream` as one peer's link: frames until the bytes run out or a frame is refused.
-/// Returns how many frames were delivered.
+/// A lane that frames may park on (waking it does nothing here: the stream ends there).
+struct Lane;
+
+impl Resume for Lane {
+    fn resume(&self) {}
+}
+
+/// Reads `stream` as one peer's link: frames until the bytes run out, a frame is refused or one
+/// is parked (which must leave its payload unread). Returns how many frames were delivered.
 fn read_link(demux: &Demux, mailbox: &Mailbox, stream: &[u8]) -> usize {
+    let lane = Arc::new(Lane);
+    let weak: std::sync::Weak<dyn Resume> = Arc::downgrade(&lane) as std::sync::Weak<Lane>;
+    let waker = LaneWaker::new(weak);
     let mut rest = stream;
     let mut frames = 0;
     while rest.len() >= HEADER_LEN {
@@ -39,10 +49,14 @@ fn read_link(demux: &Demux, mailbox: &Mailbox, stream: &[u8]) -> usize {
         }
         let before = rest.len();
         let mut payload = (&mut rest).take(h.nbytes);
-        let delivered = demux.deliver(1, &h, &mut payload as &mut dyn Read);
+        let delivered = demux.deliver(1, &h, &mut payload as &mut dyn Read, Some(&waker));
         let consumed = (before - rest.len()) as u64;
         assert!(consumed <= h.nbytes, "a frame consumed {consumed} bytes, past the {} it announced", h.nbytes);
         assert!(mailbox.held_total() <= MIN_UNEXPECTED_BYTES, "more held than the peer's budget");
+        if let Ok(Delivery::Parked { .. }) = delivered {
+            assert_eq!(consumed, 0, "a parked frame consumed part of its payload");
+            break;
+        }
         if delivered.is_err() || consumed < h.nbytes {
             break;
         }
@@ -52,7 +66,7 @@ fn read_link(demux: &Demux, mailbox: &Mailbox, stream: &[u8]) -> usize {
 }
 
 fn fresh() -> (Demux, Arc<Mailbox>) {
-    let mailbox = Arc::new(Mailbox::with_budget(MIN_UNEXPECTED_BYTES));
+    let mailbox = Arc::new(Mailbox::with_limits(MIN_UNEXPECTED_BYTES, Duration::from_secs(60)));
     (Demux::new(mailbox.clone(), Duration::from_secs(1), Some(Arc::new(Groups::default()))), mailbox)
 }
 

@@ -15,7 +15,7 @@ use super::demux::Demux;
 use super::Session;
 use crate::error::PlaitError;
 use crate::net::frame::FrameHeader;
-use crate::net::peer::Inbox;
+use crate::net::peer::{Delivery, Inbox, LaneWaker};
 use parking_lot::Mutex;
 use std::collections::{HashMap, HashSet};
 use std::io::{self, Read};
@@ -79,7 +79,8 @@ impl Groups {
         inner.pending = others;
         for (_, sender, header, payload) in ours {
             inner.pending_bytes -= payload.len();
-            let _ = route_to(&route, id, sender, &header, &mut payload.as_slice());
+            // Already read: no lane to hold back (the group's mailbox refuses what it cannot hold).
+            let _ = route_to(&route, id, sender, &header, &mut payload.as_slice(), None);
         }
         inner.live.insert(id, route);
         Ok(())
@@ -93,14 +94,14 @@ impl Groups {
     }
 
     /// Hands a frame of group `h.group` from `sender` (an owner rank) to that group.
-    pub(crate) fn deliver(&self, sender: usize, h: &FrameHeader, payload: &mut dyn Read) -> io::Result<()> {
+    pub(crate) fn deliver(&self, sender: usize, h: &FrameHeader, payload: &mut dyn Read, lane: Option<&LaneWaker>) -> io::Result<Delivery> {
         let route = {
             let mut inner = self.inner.lock();
             match inner.live.get(&h.group) {
                 Some(r) => r.clone(),
                 None if inner.ended.contains(&h.group) => {
                     drop(inner);
-                    return io::copy(payload, &mut io::sink()).map(|_| ());
+                    return io::copy(payload, &mut io::sink()).map(|_| Delivery::Taken);
                 }
                 None => {
                     let n = h.nbytes as usize;
@@ -115,11 +116,11 @@ impl Groups {
                     payload.take(n as u64).read_to_end(&mut data)?;
                     inner.pending_bytes += data.len();
                     inner.pending.push((h.group, sender, *h, data));
-                    return Ok(());
+                    return Ok(Delivery::Taken);
                 }
             }
         };
-        route_to(&route, h.group, sender, h, payload)
+        route_to(&route, h.group, sender, h, payload, lane)
     }
 
     /// The owner failed: so does every group on its links.
@@ -147,9 +148,9 @@ impl Groups {
     }
 }
 
-fn route_to(route: &Route, id: u64, sender: usize, h: &FrameHeader, payload: &mut dyn Read) -> io::Result<()> {
+fn route_to(route: &Route, id: u64, sender: usize, h: &FrameHeader, payload: &mut dyn Read, lane: Option<&LaneWaker>) -> io::Result<Delivery> {
     match route.rank_of.get(&sender) {
-        Some(&g) => match route.demux.deliver(g, h, payload) {
+        Some(&g) => match route.demux.deliver(g, h, payload, lane) {
             // The group's mailbox read the frame whole and could not use it (the ranks disagree
             // about a call): that breaks the group, not the links the other groups share.
             Err(e) if e.kind() == io::ErrorKind::InvalidData => {
@@ -157,7 +158,7 @@ fn route_to(route: &Route, id: u64, sender: usize, h: &FrameHeader, payload: &mu
                     let addr = s.peer_addr(g);
                     s.fail(PlaitError::Peer { op: String::new(), peer: g, addr, what: blame::link_end(&e), waited: Default::default() }, true);
                 }
-                Ok(())
+                Ok(Delivery::Taken)
             }
             other => other,
         },
@@ -170,7 +171,7 @@ fn route_to(route: &Route, id: u64, sender: usize, h: &FrameHeader, payload: &mu
                     false,
                 );
             }
-            Ok(())
+            Ok(Delivery::Taken)
         }
     }
 }
@@ -193,10 +194,10 @@ mod tests {
     fn frames_for_a_group_not_created_yet_are_bounded_even_with_absurd_sizes() {
         let groups = Groups::default();
         let frame = |nbytes: u64| FrameHeader { kind: crate::net::frame::FrameKind::Data as u8, group: 42, nbytes, ..Default::default() };
-        groups.deliver(1, &frame(3), &mut &b"abc"[..]).expect("a small early frame is kept");
+        groups.deliver(1, &frame(3), &mut &b"abc"[..], None).expect("a small early frame is kept");
         for nbytes in [u64::MAX, u64::MAX - 2, 1 << 63, PENDING_MAX as u64] {
             // An endless stream: a check that reads first would never return.
-            let err = groups.deliver(1, &frame(nbytes), &mut io::repeat(0)).expect_err("refused");
+            let err = groups.deliver(1, &frame(nbytes), &mut io::repeat(0), None).expect_err("refused");
             assert!(err.to_string().contains("which this rank has not created"), "{err}");
         }
     }

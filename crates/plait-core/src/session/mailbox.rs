@@ -4,6 +4,28 @@
 //! that arrives early is stashed and copied when its receive is posted. Every posted receive
 //! produces exactly one completion event: from the receiver thread, from `fail`, or not at all
 //! when its operation cancels it (and then knows it).
+//!
+//! Flow control. Early frames are held up to a budget per peer (`PLAIT_UNEXPECTED_BYTES`). A
+//! frame that would go over it is parked, not refused: its lane stops reading (the payload waits
+//! in the socket and TCP stops the sender, see `net::reader`) until its receive is posted (then
+//! it lands in place, never copied) or room frees (stashed frames of that peer taken, or the
+//! call they belong to ended). A frame parked for the timeout (`PLAIT_TIMEOUT`) with neither
+//! fails the link, naming the peer, the frame, the bytes held and both settings. Every budget
+//! change that could let a parked frame go on wakes its lane; waking too often costs only a look.
+//!
+//! Why parking cannot hold back what the current call needs: a lane carries a sender's frames in
+//! the order it issued them, and a blocking call ends on the sender only once all its sends are
+//! written, so every frame of call c is ahead of every frame of call c+1 on every lane. A parked
+//! frame of a later call therefore only holds back later calls' frames. Within one call, a rank
+//! posts the receives of a segment's step k+1 only after its step k is done, and the sender sends
+//! step k+1 of that segment only after its own step k is done, so the frames ahead of a parked one
+//! on its lane are ones already posted or held. Where this ordering does not hold, parking can
+//! hold back a frame the current call needs: asynchronous calls run at once by workers (their
+//! frames interleave on a lane), a point-to-point program that needs a later message before it
+//! posts the receive of an earlier one (the classic "unsafe" MPI pattern, past the budget), or an
+//! any-source receive behind a parked message of another tag. Then the waiting call times out,
+//! or the parked frame does, each with an error naming the peer; nothing waits forever. Below the
+//! budget nothing changes: every such program that ran before still runs.
 
 use super::landing::Landing;
 use super::pool::BufferPool;
@@ -13,11 +35,13 @@ use crate::codec::Wire;
 use crate::dtype::DType;
 use crate::error::PlaitError;
 use crate::net::frame::{CallId, FrameHeader, FrameKind, PONG_TAG, RESERVED_TAGS};
+use crate::net::peer::{Delivery, LaneWaker};
 use crossbeam_channel::Sender;
 use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::io::{self, Read};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 /// (peer, frame kind, seq or tag, step, segment, ordinal)
 pub type Key = (usize, u8, u64, u32, u32, u32);
@@ -96,13 +120,42 @@ struct Inner {
     /// Collectives this rank ended because of a refusal (its own or a peer's): frames of them
     /// still on their way from the ranks that went ahead are dropped, not a disagreement.
     dropped: std::collections::HashSet<u64>,
+    /// Frames left unread on their lane until they can be taken (see the module doc); at most
+    /// one per lane. Kept until the frame is taken, so a frame offered again keeps its `since`.
+    parked: HashMap<Key, ParkedFrame>,
+}
+
+struct ParkedFrame {
+    header: FrameHeader,
+    /// When it was first parked: the timeout counts from here.
+    since: Instant,
+    lane: LaneWaker,
 }
 
 impl Inner {
     fn is_finished(&self, seq: u64) -> bool {
         seq < self.finished_below || self.finished_above.contains(&seq)
     }
+
+    /// Wakes the lanes of parked frames that `which` selects, to offer them again.
+    fn wake_parked(&self, which: impl Fn(&Key) -> bool) {
+        if self.parked.is_empty() {
+            return;
+        }
+        for (_, p) in self.parked.iter().filter(|(k, _)| which(k)) {
+            p.lane.wake();
+        }
+    }
+
+    /// Room in `peer`'s budget came back: its parked frames may fit now.
+    fn room_freed(&self, peer: usize) {
+        self.wake_parked(|k| k.0 == peer);
+    }
 }
+
+/// No host buffer is larger than this: a frame that claims more is not a message, whatever is
+/// posted (so it is refused at once rather than parked).
+const FRAME_MAX_BYTES: u64 = isize::MAX as u64;
 
 /// Messages that arrive before their receive is posted are held in memory, up to this many
 /// bytes per peer. Early collective data rarely exceeds the largest buffer in flight; a
@@ -115,14 +168,16 @@ pub struct Mailbox {
     inner: Mutex<Inner>,
     /// Buffers for early frames, shared with the executor's snapshots and scratch.
     pub pool: BufferPool,
-    /// Bytes of early frames held per peer (`PLAIT_UNEXPECTED_BYTES`): a peer that sends more
-    /// is cut off before the frame is read.
+    /// Bytes of early frames held per peer (`PLAIT_UNEXPECTED_BYTES`): a frame that would go over
+    /// is parked on its lane, unread.
     budget: u64,
+    /// How long a frame may stay parked with no receive posted for it (`PLAIT_TIMEOUT`).
+    park_timeout: Duration,
 }
 
 impl Default for Mailbox {
     fn default() -> Self {
-        Mailbox::with_budget(DEFAULT_UNEXPECTED_BYTES)
+        Mailbox::with_limits(DEFAULT_UNEXPECTED_BYTES, Duration::from_secs(300))
     }
 }
 
@@ -132,8 +187,10 @@ impl Mailbox {
         Self::default()
     }
 
-    pub fn with_budget(budget: u64) -> Self {
-        Mailbox { inner: Mutex::default(), pool: BufferPool::default(), budget }
+    /// `budget`: bytes of early frames held per peer; `park_timeout`: how long a frame over it
+    /// may wait for its receive.
+    pub fn with_limits(budget: u64, park_timeout: Duration) -> Self {
+        Mailbox { inner: Mutex::default(), pool: BufferPool::default(), budget, park_timeout }
     }
 
     /// Posts a receive, or completes it at once from a stashed frame (on this thread).
@@ -153,7 +210,10 @@ impl Mailbox {
                 return;
             }
             match inner.stash.remove(&key) {
-                Some(s) => s,
+                Some(s) => {
+                    inner.room_freed(key.0);
+                    s
+                }
                 None => {
                     if let Some(err) = inner.closed.get(&key.0).cloned() {
                         drop(inner);
@@ -161,6 +221,7 @@ impl Mailbox {
                         return;
                     }
                     inner.posted.insert(key, p);
+                    inner.wake_parked(|k| *k == key);
                     return;
                 }
             }
@@ -184,6 +245,8 @@ impl Mailbox {
             // Behind any-source receives already waiting: they take stashed messages first.
             inner.any_source.entry(tag).or_default().push(p);
             let ready = next_in_line_for_any_source(&mut inner, tag);
+            // A parked message of this tag may be the next in line of its sender.
+            inner.wake_parked(|k| k.1 == kind && k.2 == tag);
             drop(inner);
             self.land_stashed(ready);
             return;
@@ -193,6 +256,7 @@ impl Mailbox {
         *next += 1;
         match inner.stash.remove(&key) {
             Some(s) => {
+                inner.room_freed(peer);
                 drop(inner);
                 let result = land_from_memory(peer, &s.header, &s.data, &p);
                 self.pool.give(s.data);
@@ -205,6 +269,7 @@ impl Mailbox {
                     return;
                 }
                 inner.posted.insert(key, p);
+                inner.wake_parked(|k| *k == key);
             }
         }
     }
@@ -269,6 +334,9 @@ impl Mailbox {
                 inner.broken = Some(err.clone());
             }
             inner.stash.clear();
+            // Offered again, they are read and dropped (nothing will receive them).
+            inner.wake_parked(|_| true);
+            inner.parked.clear();
             (inner.posted.drain().collect(), inner.any_source.drain().flat_map(|(_, v)| v).collect())
         };
         for (key, p) in posted {
@@ -301,8 +369,9 @@ impl Mailbox {
     /// Ends collective `seq` on this rank because a rank refused it (this one, or a peer): its
     /// early frames are dropped, and so are those still on their way.
     pub fn finish_refused(&self, seq: u64) {
-        self.finish(seq);
+        // Marked first: a parked frame of the call that `finish` wakes is then dropped quietly.
         self.inner.lock().dropped.insert(seq);
+        self.finish(seq);
     }
 
     /// Marks collective `seq` complete on this rank. Returns a frame of it that arrived but was
@@ -321,75 +390,77 @@ impl Mailbox {
             }
             inner.finished_below += 1;
         }
-        let stray = inner.stash.remove_call(FrameKind::Data as u8, seq);
+        let data = FrameKind::Data as u8;
+        let stray = inner.stash.remove_call(data, seq);
+        for (k, _) in &stray {
+            inner.room_freed(k.0);
+        }
+        // A parked frame of the call is a stray too; offered again, it is dropped or named late.
+        let parked = inner.parked.iter().find(|(k, _)| k.1 == data && k.2 == seq).map(|(k, p)| (k.0, p.header));
+        inner.wake_parked(|k| k.1 == data && k.2 == seq);
         drop(inner);
-        let first = stray.first().map(|(k, s)| (k.0, s.header));
+        let first = stray.first().map(|(k, s)| (k.0, s.header)).or(parked);
         for (_, s) in stray {
             self.pool.give(s.data);
         }
         first
     }
 
-    /// Called by the receiver thread of `peer` for a Data or P2p frame.
-    pub fn deliver(&self, peer: usize, h: &FrameHeader, payload: &mut dyn Read) -> io::Result<()> {
-        // A frame of a call this rank has finished: Some(whether a refusal ended that call).
-        let late = if h.kind == FrameKind::Data as u8 {
-            let inner = self.inner.lock();
-            inner.is_finished(h.seq).then(|| inner.dropped.contains(&h.seq))
-        } else {
-            None
-        };
-        if let Some(dropped) = late {
-            io::copy(payload, &mut io::sink())?;
-            if dropped {
-                return Ok(());
-            }
-            return Err(late_frame(h));
-        }
+    /// Called by the reader of a lane of `peer` for a Data or P2p frame. With `lane`, a frame
+    /// that can neither be taken nor held now is parked (nothing read); without, it is refused.
+    pub fn deliver(&self, peer: usize, h: &FrameHeader, payload: &mut dyn Read, lane: Option<&LaneWaker>) -> io::Result<Delivery> {
         let key: Key = if h.kind == FrameKind::P2p as u8 {
             (peer, h.kind, h.seq, 0, 0, h.ordinal)
         } else {
             (peer, h.kind, h.seq, h.step, h.segment, h.ordinal)
         };
-        let taken = self.take(peer, key);
-        if let Some(p) = taken {
-            return match land_from_stream(peer, h, payload, &p) {
-                Ok(result) => {
-                    p.report(result, peer);
-                    if h.kind == FrameKind::P2p as u8 {
-                        self.hand_on_overtaken(h.seq);
-                    }
-                    Ok(())
-                }
-                Err(io_err) => {
-                    // The link broke mid-message: let the link failure, which names the cause,
-                    // complete this receive.
-                    let mut inner = self.inner.lock();
-                    match inner.broken.clone() {
-                        Some(err) => {
-                            drop(inner);
-                            p.report(Err(err), peer);
-                        }
-                        None => {
-                            inner.posted.insert(key, p);
-                        }
-                    }
-                    Err(io_err)
-                }
+        let mut inner = self.inner.lock();
+        // A frame of a call this rank has finished: Some(whether a refusal ended that call).
+        let late = (h.kind == FrameKind::Data as u8 && inner.is_finished(h.seq)).then(|| inner.dropped.contains(&h.seq));
+        if late.is_some() || inner.broken.is_some() {
+            // Nothing will receive it: read and dropped (a late one is a disagreement).
+            inner.parked.remove(&key);
+            drop(inner);
+            io::copy(payload, &mut io::sink())?;
+            return match late {
+                Some(false) => Err(late_frame(h)),
+                _ => Ok(Delivery::Taken),
             };
         }
+        if let Some(p) = take_locked(&mut inner, peer, key) {
+            inner.parked.remove(&key);
+            drop(inner);
+            return self.land_posted(peer, key, h, payload, p);
+        }
+        refuse_hostile(h)?;
         // Not posted yet: claim room in this peer's budget (before a byte is allocated or
         // read), read without holding the lock, then look again before stashing.
-        self.reserve(peer, h)?;
+        let held = inner.stash.held(peer);
+        if h.nbytes > self.budget.saturating_sub(held) {
+            return match lane {
+                Some(lane) => self.park(&mut inner, key, h, held, lane),
+                None => Err(io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    format!("{}: over the {} bytes allowed per peer (PLAIT_UNEXPECTED_BYTES)", early(h, held), self.budget),
+                )),
+            };
+        }
+        inner.parked.remove(&key);
+        inner.stash.reserve(peer, h.nbytes);
+        drop(inner);
         let mut data = self.pool.take(h.nbytes as usize);
         let read = payload.read_exact(&mut data);
         let mut inner = self.inner.lock();
         inner.stash.release(peer, h.nbytes);
-        read?;
+        if let Err(e) = read {
+            inner.room_freed(peer);
+            return Err(e);
+        }
         if inner.broken.is_some() {
-            return Ok(());
+            return Ok(Delivery::Taken);
         }
         if let Some(p) = take_locked(&mut inner, peer, key) {
+            inner.room_freed(peer);
             drop(inner);
             let result = land_from_memory(peer, h, &data, &p);
             self.pool.give(data);
@@ -400,6 +471,7 @@ impl Mailbox {
         } else if h.kind == FrameKind::Data as u8 && inner.is_finished(h.seq) {
             // The call ended while this frame was read (a refusal): it would be held for good.
             let dropped = inner.dropped.contains(&h.seq);
+            inner.room_freed(peer);
             drop(inner);
             self.pool.give(data);
             if !dropped {
@@ -408,40 +480,69 @@ impl Mailbox {
         } else {
             inner.stash.insert(key, Stashed { header: *h, data });
         }
-        Ok(())
+        Ok(Delivery::Taken)
     }
 
-    /// Counts `h`'s payload against `peer`'s budget for early frames, or refuses the frame
-    /// (which closes the link, naming the peer) when it would go over.
-    fn reserve(&self, peer: usize, h: &FrameHeader) -> io::Result<()> {
-        if h.kind == FrameKind::P2p as u8 && h.seq >= RESERVED_TAGS {
-            // Link probes are answered by the demux and their answers always awaited.
-            if h.seq != PONG_TAG || h.nbytes > 8 {
-                return Err(io::Error::new(io::ErrorKind::InvalidData, format!("it sent a message with reserved tag {:#x} that nothing receives", h.seq)));
+    /// Reads `h`'s payload into the receive `p` posted for it.
+    fn land_posted(&self, peer: usize, key: Key, h: &FrameHeader, payload: &mut dyn Read, p: Posted) -> io::Result<Delivery> {
+        match land_from_stream(peer, h, payload, &p) {
+            Ok(result) => {
+                p.report(result, peer);
+                if h.kind == FrameKind::P2p as u8 {
+                    self.hand_on_overtaken(h.seq);
+                }
+                Ok(Delivery::Taken)
+            }
+            Err(io_err) => {
+                // The link broke mid-message: let the link failure, which names the cause,
+                // complete this receive.
+                let mut inner = self.inner.lock();
+                match inner.broken.clone() {
+                    Some(err) => {
+                        drop(inner);
+                        p.report(Err(err), peer);
+                    }
+                    None => {
+                        inner.posted.insert(key, p);
+                    }
+                }
+                Err(io_err)
             }
         }
-        let mut inner = self.inner.lock();
-        let held = inner.stash.held(peer);
-        if h.nbytes > self.budget.saturating_sub(held) {
+    }
+
+    /// Leaves `h` unread on its lane until its receive is posted or room frees (`lane` is woken
+    /// then), or fails it once it has waited `park_timeout` for that.
+    fn park(&self, inner: &mut Inner, key: Key, h: &FrameHeader, held: u64, lane: &LaneWaker) -> io::Result<Delivery> {
+        let now = Instant::now();
+        let since = inner.parked.get(&key).map_or(now, |p| p.since);
+        if now.saturating_duration_since(since) >= self.park_timeout {
+            inner.parked.remove(&key);
             return Err(io::Error::new(
-                io::ErrorKind::InvalidData,
-                format!(
-                    "it sent {} of {} bytes before this rank posted its receive, with {held} bytes of its early messages already held: over the {} bytes allowed per peer (PLAIT_UNEXPECTED_BYTES)",
-                    describe_header(h),
-                    h.nbytes,
+                io::ErrorKind::TimedOut,
+                NeverReceived(format!(
+                    "{}, and no receive for it was posted within {:.1?} (PLAIT_TIMEOUT); this rank read nothing more from that link meanwhile, as holding the message would go over the {} bytes it may hold per peer (PLAIT_UNEXPECTED_BYTES)",
+                    early(h, held),
+                    self.park_timeout,
                     self.budget
-                ),
+                )),
             ));
         }
-        inner.stash.reserve(peer, h.nbytes);
-        Ok(())
+        inner.parked.insert(key, ParkedFrame { header: *h, since, lane: lane.clone() });
+        Ok(Delivery::Parked { until: since + self.park_timeout })
     }
 
     /// With several lanes a later message can overtake an earlier one from the same sender and
     /// wait in the stash while any-source receives are posted. Once the earlier one is taken,
     /// the stashed one may be next in line: hand it to the oldest waiting any-source receive.
     fn hand_on_overtaken(&self, tag: u64) {
-        let ready = next_in_line_for_any_source(&mut self.inner.lock(), tag);
+        let mut inner = self.inner.lock();
+        let ready = next_in_line_for_any_source(&mut inner, tag);
+        if inner.any_source.get(&tag).is_some_and(|l| !l.is_empty()) {
+            // A parked message of this tag may be next in line now.
+            inner.wake_parked(|k| k.1 == FrameKind::P2p as u8 && k.2 == tag);
+        }
+        drop(inner);
         self.land_stashed(ready);
     }
 
@@ -453,9 +554,42 @@ impl Mailbox {
         }
     }
 
-    fn take(&self, peer: usize, key: Key) -> Option<Posted> {
-        take_locked(&mut self.inner.lock(), peer, key)
+}
+
+/// A frame no receive was posted for while it waited parked (an io error's inner error, so
+/// `blame` can tell it from a link that failed).
+#[derive(Debug)]
+pub(crate) struct NeverReceived(pub String);
+
+impl std::fmt::Display for NeverReceived {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
     }
+}
+
+impl std::error::Error for NeverReceived {}
+
+/// What a peer sent early, for errors: "it sent <frame> of N bytes before ...".
+fn early(h: &FrameHeader, held: u64) -> String {
+    format!(
+        "it sent {} of {} bytes before this rank posted its receive, with {held} bytes of its early messages already held",
+        describe_header(h),
+        h.nbytes
+    )
+}
+
+/// Refuses frames that no receive could take, whatever is posted.
+fn refuse_hostile(h: &FrameHeader) -> io::Result<()> {
+    if h.kind == FrameKind::P2p as u8 && h.seq >= RESERVED_TAGS {
+        // Link probes are answered by the demux and their answers always awaited.
+        if h.seq != PONG_TAG || h.nbytes > 8 {
+            return Err(io::Error::new(io::ErrorKind::InvalidData, format!("it sent a message with reserved tag {:#x} that nothing receives", h.seq)));
+        }
+    }
+    if h.nbytes > FRAME_MAX_BYTES {
+        return Err(io::Error::new(io::ErrorKind::InvalidData, format!("it sent {} claiming {} bytes, more than any buffer holds", describe_header(h), h.nbytes)));
+    }
+    Ok(())
 }
 
 /// Pairs waiting any-source receives of `tag`, oldest first, with stashed messages that are
@@ -469,6 +603,7 @@ fn next_in_line_for_any_source(inner: &mut Inner, tag: u64) -> Vec<(usize, Stash
         let peer = key.0;
         *inner.p2p_next.entry((peer, tag)).or_insert(0) += 1;
         let s = inner.stash.remove(&key).expect("found above");
+        inner.room_freed(peer);
         let p = inner.any_source.get_mut(&tag).expect("checked above").remove(0);
         ready.push((peer, s, p));
     }
@@ -526,9 +661,12 @@ fn late_frame(h: &FrameHeader) -> io::Error {
 }
 
 pub(crate) fn describe_header(h: &FrameHeader) -> String {
-    let coll = crate::sched::Collective::from_code(h.coll).map(|c| c.name()).unwrap_or("p2p");
     let dtype = DType::from_u8(h.dtype).map(|d| d.name()).unwrap_or("?");
-    format!("{coll} #{} ({dtype}, root {}, schedule {:#x})", h.seq, h.root, h.sched_id)
+    if h.kind == FrameKind::P2p as u8 {
+        return format!("a message with tag {} ({dtype}, its #{} with that tag)", h.seq, h.ordinal);
+    }
+    let coll = crate::sched::Collective::from_code(h.coll).map(|c| c.name()).unwrap_or("p2p");
+    format!("{coll} #{} ({dtype}, root {}, schedule {:#x}, step {} segment {})", h.seq, h.root, h.sched_id, h.step, h.segment)
 }
 
 /// Reads the payload into the posted place. The outer error is the link's (I/O); the inner

@@ -1,8 +1,11 @@
 //! Unit tests of the mailbox: matching, stashing, ordering, failure and keeping.
 
 use super::*;
+use crate::net::peer::Resume;
 use crate::session::landing::Keep;
 use crossbeam_channel::Receiver;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Weak;
 
 /// A receive into `dst` and the channel its completion arrives on.
 fn posted(dst: &mut [u8], call: CallId, op_id: u64) -> (Posted, Receiver<Event>) {
@@ -32,8 +35,9 @@ fn p2p(tag: u64, ordinal: u32, payload: &[u8]) -> FrameHeader {
     FrameHeader::p2p(tag, ordinal, DType::U8 as u8, payload.len() as u64, payload.len() as u64)
 }
 
+/// Delivers a frame as a reader with no lane to hold back would (over the budget: refused).
 fn deliver(m: &Mailbox, peer: usize, h: &FrameHeader, payload: &[u8]) -> io::Result<()> {
-    m.deliver(peer, h, &mut &payload[..])
+    m.deliver(peer, h, &mut &payload[..], None).map(|d| assert_eq!(d, Delivery::Taken))
 }
 
 fn ok_from(rx: &Receiver<Event>) -> usize {
@@ -121,7 +125,7 @@ fn a_frame_that_disagrees_fails_its_receive_and_leaves_the_stream_in_step() {
     m.post((1, FrameKind::Data as u8, 3, 0, 0, 0), p);
     let other = CallId { sched_id: 8, ..data_call(3) };
     let mut stream: &[u8] = b"abcdNEXT";
-    m.deliver(1, &FrameHeader::data(&other, 0, 0, 0, 4, 4), &mut (&mut stream).take(4)).unwrap();
+    m.deliver(1, &FrameHeader::data(&other, 0, 0, 0, 4, 4), &mut (&mut stream).take(4), None).unwrap();
     assert_eq!(stream, b"NEXT", "exactly the payload was consumed");
     let err = rx.try_recv().unwrap().result.unwrap_err();
     assert!(matches!(err, PlaitError::Mismatch { peer: 1, .. }), "{err}");
@@ -278,10 +282,11 @@ fn a_frame_claiming_a_huge_size_for_no_posted_receive_is_refused_before_anything
             FrameHeader { nbytes, count: nbytes, ..FrameHeader::data(&data_call(4), 0, 0, 0, 1, 1) },
             FrameHeader { nbytes, count: nbytes, ..p2p(3, 0, b"x") },
         ] {
-            let err = m.deliver(1, &h, &mut endless()).expect_err("refused");
+            let err = m.deliver(1, &h, &mut endless(), None).expect_err("refused");
             assert_eq!(err.kind(), io::ErrorKind::InvalidData);
             let text = err.to_string();
-            assert!(text.contains(&nbytes.to_string()) && text.contains("PLAIT_UNEXPECTED_BYTES"), "{text}");
+            let why = if nbytes > isize::MAX as u64 { "more than any buffer holds" } else { "PLAIT_UNEXPECTED_BYTES" };
+            assert!(text.contains(&nbytes.to_string()) && text.contains(why), "{text}");
         }
     }
     assert_eq!(m.stashed_len(), 0);
@@ -293,7 +298,7 @@ fn a_frame_claiming_a_huge_size_for_no_posted_receive_is_refused_before_anything
 #[test]
 fn early_frames_are_held_up_to_the_budget_per_peer_and_room_comes_back_when_they_are_received() {
     let budget = MIN_UNEXPECTED_BYTES;
-    let m = Mailbox::with_budget(budget);
+    let m = Mailbox::with_limits(budget, Duration::from_secs(60));
     let big = vec![7u8; (budget / 2) as usize + 1];
     deliver(&m, 1, &p2p(5, 0, &big), &big).unwrap();
     // Another peer has a budget of its own.
@@ -311,7 +316,7 @@ fn early_frames_are_held_up_to_the_budget_per_peer_and_room_comes_back_when_they
 #[test]
 fn a_frame_whose_receive_is_posted_is_not_limited_by_the_budget() {
     let budget = MIN_UNEXPECTED_BYTES;
-    let m = Mailbox::with_budget(budget);
+    let m = Mailbox::with_limits(budget, Duration::from_secs(60));
     let big = vec![3u8; budget as usize * 2];
     let mut dst = vec![0u8; big.len()];
     let (p, rx) = posted(&mut dst, u8_call(), 1);
@@ -370,6 +375,188 @@ fn an_any_source_receive_takes_the_lowest_sender_whose_next_message_is_held() {
     let (p, rx) = posted(&mut dst, u8_call(), 1);
     m.post_p2p(None, 4, p);
     assert_eq!((ok_from(&rx), dst[0]), (1, b'b'));
+}
+
+// -- flow control: frames over the budget wait unread on their lane (parked) until they can go on
+
+/// A lane as the mailbox sees it: counts the times it is woken.
+struct FakeLane(AtomicUsize);
+
+impl Resume for FakeLane {
+    fn resume(&self) {
+        self.0.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
+fn lane() -> (Arc<FakeLane>, LaneWaker) {
+    let l = Arc::new(FakeLane(AtomicUsize::new(0)));
+    let weak: Weak<dyn Resume> = Arc::downgrade(&l) as Weak<FakeLane>;
+    (l, LaneWaker::new(weak))
+}
+
+fn woken(l: &FakeLane) -> usize {
+    l.0.load(Ordering::SeqCst)
+}
+
+/// A payload that must not be touched: parking reads nothing.
+struct Untouched;
+
+impl Read for Untouched {
+    fn read(&mut self, _: &mut [u8]) -> io::Result<usize> {
+        panic!("a parked frame's payload was read");
+    }
+}
+
+fn offer(m: &Mailbox, peer: usize, h: &FrameHeader, payload: &[u8], lane: &LaneWaker) -> Delivery {
+    let mut rest = payload;
+    let d = m.deliver(peer, h, &mut rest, Some(lane)).expect("taken or parked");
+    match d {
+        Delivery::Taken => assert!(rest.is_empty(), "a taken frame is read whole"),
+        Delivery::Parked { .. } => assert_eq!(rest.len(), payload.len(), "a parked frame is not read"),
+    }
+    d
+}
+
+fn parked(d: Delivery) -> bool {
+    matches!(d, Delivery::Parked { .. })
+}
+
+#[test]
+fn a_frame_over_the_budget_is_parked_unread_and_lands_in_place_once_its_receive_is_posted() {
+    let budget = MIN_UNEXPECTED_BYTES;
+    let m = Mailbox::with_limits(budget, Duration::from_secs(60));
+    let big: Vec<u8> = (0..3 * budget as usize).map(|i| (i % 251) as u8).collect();
+    let h = p2p(5, 0, &big);
+    let (l, waker) = lane();
+    assert!(parked(m.deliver(1, &h, &mut Untouched, Some(&waker)).unwrap()));
+    assert_eq!((m.stashed_len(), m.held_total(), woken(&l)), (0, 0, 0));
+    // Another tag's receive does not concern it.
+    let mut other = [0u8; 1];
+    let (p, _rx) = posted(&mut other, u8_call(), 9);
+    m.post_p2p(Some(1), 6, p);
+    assert_eq!(woken(&l), 0);
+    let mut dst = vec![0u8; big.len()];
+    let (p, rx) = posted(&mut dst, u8_call(), 1);
+    m.post_p2p(Some(1), 5, p);
+    assert_eq!(woken(&l), 1, "posting its receive wakes the lane");
+    assert!(rx.try_recv().is_err());
+    assert_eq!(offer(&m, 1, &h, &big, &waker), Delivery::Taken);
+    assert_eq!(ok_from(&rx), 1);
+    assert!(dst == big);
+    assert_eq!(m.held_total(), 0, "landed in place, never held");
+}
+
+#[test]
+fn a_parked_frame_goes_on_once_its_peers_held_frames_are_received() {
+    let budget = MIN_UNEXPECTED_BYTES;
+    let m = Mailbox::with_limits(budget, Duration::from_secs(60));
+    let part = vec![4u8; (budget / 2 + 1) as usize];
+    let (l, waker) = lane();
+    assert_eq!(offer(&m, 1, &p2p(5, 0, &part), &part, &waker), Delivery::Taken);
+    // The second does not fit beside the first: parked, for this peer only.
+    assert!(parked(offer(&m, 1, &p2p(5, 1, &part), &part, &waker)));
+    assert_eq!(offer(&m, 2, &p2p(5, 0, &part), &part, &waker), Delivery::Taken);
+    let mut dst = vec![0u8; part.len()];
+    let (p, rx) = posted(&mut dst, u8_call(), 1);
+    m.post_p2p(Some(2), 5, p);
+    assert_eq!((ok_from(&rx), woken(&l)), (2, 0), "room freed for another peer wakes nothing");
+    let (p, rx) = posted(&mut dst, u8_call(), 1);
+    m.post_p2p(Some(1), 5, p);
+    assert_eq!(ok_from(&rx), 1);
+    assert!(woken(&l) >= 1, "room freed for its peer wakes the lane");
+    assert_eq!(offer(&m, 1, &p2p(5, 1, &part), &part, &waker), Delivery::Taken, "held now");
+    assert_eq!(m.stashed_len(), 1);
+}
+
+#[test]
+fn a_parked_message_is_taken_by_an_any_source_receive_once_it_is_next_in_line() {
+    let m = Mailbox::with_limits(MIN_UNEXPECTED_BYTES, Duration::from_secs(60));
+    let big = vec![8u8; 2 * MIN_UNEXPECTED_BYTES as usize];
+    let (l, waker) = lane();
+    // Its sender's first message with this tag (on another lane) has not arrived yet.
+    assert!(parked(offer(&m, 3, &p2p(4, 1, &big), &big, &waker)));
+    let (mut a, mut b) = ([0u8; 1], vec![0u8; big.len()]);
+    let (pa, ra) = posted(&mut a, u8_call(), 1);
+    let (pb, rb) = posted(&mut b, u8_call(), 2);
+    m.post_p2p(None, 4, pa);
+    m.post_p2p(None, 4, pb);
+    assert!(woken(&l) >= 1);
+    assert!(parked(offer(&m, 3, &p2p(4, 1, &big), &big, &waker)), "not next in line: still parked");
+    let before = woken(&l);
+    deliver(&m, 3, &p2p(4, 0, b"x"), b"x").unwrap();
+    assert_eq!(ok_from(&ra), 3);
+    assert!(woken(&l) > before, "its turn came: woken");
+    assert_eq!(offer(&m, 3, &p2p(4, 1, &big), &big, &waker), Delivery::Taken);
+    assert_eq!(ok_from(&rb), 3);
+    assert!(b == big);
+}
+
+#[test]
+fn a_frame_parked_for_the_timeout_fails_naming_the_frame_and_both_settings() {
+    let m = Mailbox::with_limits(MIN_UNEXPECTED_BYTES, Duration::from_millis(50));
+    let (_l, waker) = lane();
+    let h = FrameHeader { nbytes: 5 << 20, count: 5 << 20, ..p2p(3, 0, b"") };
+    let Delivery::Parked { until } = m.deliver(2, &h, &mut Untouched, Some(&waker)).unwrap() else { panic!("parked") };
+    // Offered again before its time: still parked, and its deadline does not move.
+    assert_eq!(m.deliver(2, &h, &mut Untouched, Some(&waker)).unwrap(), Delivery::Parked { until });
+    std::thread::sleep(until.saturating_duration_since(Instant::now()));
+    let err = m.deliver(2, &h, &mut Untouched, Some(&waker)).expect_err("waited too long");
+    assert_eq!(err.kind(), io::ErrorKind::TimedOut);
+    let text = err.to_string();
+    for part in ["tag 3", "5242880 bytes", "PLAIT_TIMEOUT", "PLAIT_UNEXPECTED_BYTES", "no receive"] {
+        assert!(text.contains(part), "{part:?} not in: {text}");
+    }
+}
+
+#[test]
+fn a_parked_frame_of_a_call_that_ended_is_named_as_a_stray_or_dropped_after_a_refusal() {
+    let m = Mailbox::with_limits(MIN_UNEXPECTED_BYTES, Duration::from_secs(60));
+    let n = 2 * MIN_UNEXPECTED_BYTES;
+    let big = vec![1u8; n as usize];
+    let (l, waker) = lane();
+    // Call 6 finishes without asking for the frame: the ranks disagree, and it is the evidence.
+    let h6 = FrameHeader::data(&data_call(6), 1, 0, 0, n, n);
+    assert!(parked(offer(&m, 2, &h6, &big, &waker)));
+    let (peer, h) = m.finish(6).expect("the parked frame is a stray");
+    assert_eq!((peer, h.seq, h.step), (2, 6, 1));
+    assert_eq!(woken(&l), 1);
+    assert!(m.deliver(2, &h6, &mut &big[..], Some(&waker)).is_err(), "offered again: late");
+    // Call 7 was refused: its parked frame is read and dropped quietly.
+    let h7 = FrameHeader::data(&data_call(7), 0, 0, 0, n, n);
+    assert!(parked(offer(&m, 2, &h7, &big, &waker)));
+    m.refused_by(1, 7, "no".into());
+    m.finish_refused(7);
+    assert_eq!(woken(&l), 2);
+    assert_eq!(offer(&m, 2, &h7, &big, &waker), Delivery::Taken);
+    assert_eq!((m.stashed_len(), m.held_total()), (0, 0));
+}
+
+#[test]
+fn a_failure_wakes_every_parked_lane_and_their_frames_are_dropped() {
+    let m = Mailbox::with_limits(MIN_UNEXPECTED_BYTES, Duration::from_secs(60));
+    let big = vec![1u8; 2 * MIN_UNEXPECTED_BYTES as usize];
+    let (l1, w1) = lane();
+    let (l2, w2) = lane();
+    assert!(parked(offer(&m, 1, &p2p(1, 0, &big), &big, &w1)));
+    assert!(parked(offer(&m, 2, &FrameHeader::data(&data_call(3), 0, 0, 0, big.len() as u64, big.len() as u64), &big, &w2)));
+    m.fail(&PlaitError::Broken("gone".into()));
+    assert_eq!((woken(&l1), woken(&l2)), (1, 1));
+    assert_eq!(offer(&m, 1, &p2p(1, 0, &big), &big, &w1), Delivery::Taken);
+}
+
+#[test]
+fn frames_no_buffer_could_hold_are_refused_at_once_even_where_frames_may_park() {
+    let m = Mailbox::new();
+    let (_l, waker) = lane();
+    for nbytes in [1u64 << 63, u64::MAX] {
+        let h = FrameHeader { nbytes, count: nbytes, ..p2p(3, 0, b"x") };
+        let err = m.deliver(1, &h, &mut Untouched, Some(&waker)).expect_err("refused");
+        assert_eq!(err.kind(), io::ErrorKind::InvalidData);
+    }
+    // A large but possible size waits for its receive, unread.
+    let h = FrameHeader { nbytes: 1 << 40, count: 1 << 40, ..p2p(3, 0, b"x") };
+    assert!(parked(m.deliver(1, &h, &mut Untouched, Some(&waker)).unwrap()));
+    assert!(m.deliver(1, &p2p(RESERVED_TAGS + 1, 0, b"abcd"), &mut &b"abcd"[..], Some(&waker)).is_err(), "reserved tags are still refused");
 }
 
 // -- random interleavings (issue 14: the mailbox's invariants hold whatever order frames come in)
