@@ -3,6 +3,7 @@
 sum over the members of the view it ran in (`plait.tools.testbed.churn` runs the members and
 reads their logs)."""
 
+import json
 import os
 import signal
 import subprocess
@@ -140,6 +141,7 @@ def test_elastic_calls_check_their_arguments_and_a_single_member_works_alone():
         x = np.arange(7, dtype=np.float32)
         assert np.array_equal(comm.allreduce(x, "avg"), x)
         assert comm.update() is False
+        assert comm.should_commit() is True and comm.should_commit(False) is False
         with pytest.raises(plait.InvalidArgumentError):
             comm.send(x, 0)
         with pytest.raises(plait.InvalidArgumentError):
@@ -162,3 +164,34 @@ def test_churn_for_90_seconds_commits_no_wrong_result(tmp_path):
     _check(report)
     assert report.kills + report.stops >= 30
     assert set(report.recovery_ms) == {"kill", "kill-leader", "stop"}
+
+
+_COMMIT_WORKER = """
+import json, sys, plait.elastic
+comm = plait.elastic.join(listen="127.0.0.1:0", heartbeat_timeout=0.5, timeout=30)  # peers: PLAIT_JOIN
+print(json.dumps({"contact": comm.contact}), flush=True)
+while comm.world_size < int(sys.argv[1]):
+    comm.update()
+votes = []
+for step in range(3):
+    votes.append(comm.should_commit(ok=not (step == 1 and comm.rank == 2)))
+print(json.dumps({"votes": votes, "rank": comm.rank}), flush=True)
+comm.close()
+"""
+
+
+def test_should_commit_is_the_same_on_every_member_and_joiners_find_the_group_through_plait_join():
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    env.pop("PLAIT_JOIN", None)
+    founder = subprocess.Popen([sys.executable, "-c", _COMMIT_WORKER, "3"], env=env, stdout=subprocess.PIPE, text=True)
+    contact = json.loads(founder.stdout.readline())["contact"]
+    joiners = [subprocess.Popen([sys.executable, "-c", _COMMIT_WORKER, "3"], env=dict(env, PLAIT_JOIN=contact),
+                                stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    outs = []
+    for p in [founder] + joiners:
+        out, _ = p.communicate(timeout=60)
+        assert p.returncode == 0
+        outs.append(json.loads(out.strip().splitlines()[-1]))
+    assert sorted(o["rank"] for o in outs) == [0, 1, 2]
+    for o in outs:
+        assert o["votes"] == [True, False, True], "one member's False makes the step fail everywhere"

@@ -29,18 +29,24 @@ if TYPE_CHECKING:
 __all__ = ["join", "ElasticCommunicator", "PeerLost"]
 
 
-def join(peers: Optional[Sequence[str]] = None, *, listen: str = "0.0.0.0:0", group: str = "default",
+def join(peers: Optional[Sequence[str]] = None, *, listen: Optional[str] = None, group: str = "default",
          timeout: Optional[float] = None, heartbeat_timeout: Optional[float] = None) -> "ElasticCommunicator":
     """Joins the group of a member at one of `peers` ("host:port", its `contact`), or founds a
     new group when `peers` is empty. Returns once a view with this member is agreed: a joiner
     is admitted at the members' next `update()`.
 
-    `listen`: where this member's control plane listens ("host:port", port 0 picks one).
+    `peers` defaults to PLAIT_JOIN (comma-separated), so one script serves every machine.
+    `listen`: where this member's control plane listens ("host:port", port 0 picks one; default
+    PLAIT_LISTEN, else "0.0.0.0:0").
     `timeout`: the deadline of joining, of each operation and of each view change (default
     PLAIT_TIMEOUT). `heartbeat_timeout`: how long a silent member is waited for (default
     PLAIT_HEARTBEAT_TIMEOUT, 2 s). The group's secret is PLAIT_TOKEN, as in static mode.
     """
     w = "plait.elastic.join"
+    if peers is None:
+        peers = [p.strip() for p in (_core.setting("PLAIT_JOIN") or "").split(",") if p.strip()]
+    if listen is None:
+        listen = _core.setting("PLAIT_LISTEN") or "0.0.0.0:0"
     if isinstance(peers, str):
         peers = [peers]
     peers = [_str(p, w, "peers") for p in (peers or [])]
@@ -116,6 +122,19 @@ class ElasticCommunicator(Communicator):
                 tries += 1
                 if attempts is not None and tries >= attempts:
                     raise
+
+    def should_commit(self, ok: bool = True) -> bool:
+        """The per-step commit (torchft's): every member says whether its step went well; True on
+        every member if all did and no member was lost, False on every member otherwise (then
+        discard the step: restore or skip the optimizer update)."""
+        import numpy as np
+
+        flags = np.array([1 if ok else 0], np.int64)
+        try:
+            self.allreduce(flags, "min", out=flags)
+        except PeerLost:
+            return False
+        return bool(flags[0] == 1)
 
     def barrier(self, *, timeout: Optional[float] = None, async_op: bool = False) -> None:
         import numpy as np

@@ -125,6 +125,20 @@ pub const SETTINGS: &[Setting] = &[
         range: Some(HEARTBEAT_TIMEOUT),
     },
     Setting {
+        name: "PLAIT_JOIN",
+        kind: "text",
+        default: "",
+        doc: "Elastic mode: control addresses (`host:port`, comma-separated) of members of the group to join, for `plait.elastic.join()` called without peers; empty founds a new group.",
+        range: None,
+    },
+    Setting {
+        name: "PLAIT_LISTEN",
+        kind: "text",
+        default: "0.0.0.0:0",
+        doc: "Elastic mode: where this member's control plane listens (`host:port`; port 0 picks one), for `plait.elastic.join()` called without `listen`.",
+        range: None,
+    },
+    Setting {
         name: "PLAIT_IFACE",
         kind: "text",
         default: "",
