@@ -195,3 +195,34 @@ def test_should_commit_is_the_same_on_every_member_and_joiners_find_the_group_th
     assert sorted(o["rank"] for o in outs) == [0, 1, 2]
     for o in outs:
         assert o["votes"] == [True, False, True], "one member's False makes the step fail everywhere"
+
+
+_RUN_SCRIPT = """
+import plait.elastic
+comm = plait.elastic.join(heartbeat_timeout=0.5, timeout=30)
+while comm.world_size < 2:
+    comm.update()
+x = comm.allreduce(__import__("numpy").ones(3))
+print("world", comm.world_size, "sum", x.tolist(), flush=True)
+comm.close()
+"""
+
+
+def test_plait_run_starts_one_member_per_command(tmp_path):
+    import socket
+
+    script = tmp_path / "train.py"
+    script.write_text(_RUN_SCRIPT)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    env.pop("PLAIT_JOIN", None)
+    cli = [sys.executable, "-m", "plait.tools.cli", "run"]
+    founder = subprocess.Popen(cli + ["--listen", f"127.0.0.1:{port}", str(script)], env=env, stdout=subprocess.PIPE, text=True)
+    joiner = subprocess.Popen(cli + ["--join", f"127.0.0.1:{port}", "--listen", "127.0.0.1:0", str(script)], env=env,
+                              stdout=subprocess.PIPE, text=True)
+    for p in (founder, joiner):
+        out, _ = p.communicate(timeout=60)
+        assert p.returncode == 0
+        assert "world 2 sum [2.0, 2.0, 2.0]" in out, out

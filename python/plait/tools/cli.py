@@ -242,6 +242,16 @@ def main(argv=None):
 
     bench_arguments(bench)
     _testbed_parsers(sub)
+    run = sub.add_parser("run", help="run a training script as a member of an elastic group",
+                         description="Runs `python SCRIPT ARGS...` with PLAIT_JOIN and PLAIT_LISTEN set, so that "
+                         "its plait.elastic.join() joins the group of the member at --join (or founds a group "
+                         "without it). One command per machine; no launcher, no rendezvous server.")
+    run.add_argument("--join", metavar="HOST:PORT", action="append", default=[],
+                     help="a member's control address (repeatable); omitted: found a new group")
+    run.add_argument("--listen", metavar="HOST:PORT", help="where this member listens (default 0.0.0.0:0; give the "
+                     "founder a fixed port, e.g. 0.0.0.0:29400)")
+    run.add_argument("script", help="the Python script")
+    run.add_argument("args", nargs=argparse.REMAINDER, help="its arguments")
     from .trace import add_arguments as trace_arguments
 
     trace_arguments(sub.add_parser("trace", help="read the traces every rank writes on a timeout or failure"))
@@ -268,6 +278,16 @@ def main(argv=None):
         return bench_run(args)
     if args.command == "testbed":
         return _testbed(args, parser)
+    if args.command == "run":
+        import os
+        import subprocess
+
+        env = dict(os.environ)
+        if args.join:
+            env["PLAIT_JOIN"] = ",".join(args.join)
+        if args.listen:
+            env["PLAIT_LISTEN"] = args.listen
+        return subprocess.call([sys.executable, args.script, *args.args], env=env)
     if args.command == "trace":
         from .trace import main as trace_main
 

@@ -88,7 +88,9 @@ impl ElasticComm {
         } else {
             Control::found(control_cfg, &cfg.listen)?
         };
-        let epoch = control.view().epoch;
+        // Not the view now: the group may have moved on since this member was admitted, and its
+        // calls pair with the members' from the admitting epoch on.
+        let epoch = control.first_epoch();
         Ok(ElasticComm { control, template: cfg.comm, ops: Mutex::new(Ops { epoch, seq: 0, mesh: None, admitted: joining }) })
     }
 

@@ -259,6 +259,13 @@ impl Control {
         true
     }
 
+    /// The first epoch this member was in (a joiner's admission), while still recorded: its
+    /// operations are numbered from there, even if the group has moved on since.
+    pub fn first_epoch(&self) -> u64 {
+        let st = self.state.lock();
+        st.decisions.keys().next().copied().unwrap_or(st.agree.view.epoch)
+    }
+
     /// The decision of epoch `epoch` (about the operations of `epoch - 1`), once committed.
     pub fn decision(&self, epoch: u64) -> Option<Decision> {
         self.state.lock().decisions.get(&epoch).copied()
