@@ -226,3 +226,58 @@ def test_plait_run_starts_one_member_per_command(tmp_path):
         out, _ = p.communicate(timeout=60)
         assert p.returncode == 0
         assert "world 2 sum [2.0, 2.0, 2.0]" in out, out
+
+
+_PAIR_WORKER = """
+import json, sys, time, numpy as np, plait, plait.elastic
+witness = sys.argv[1] or None
+comm = plait.elastic.join(listen="127.0.0.1:0", heartbeat_timeout=0.5, timeout=float(sys.argv[2]), witness=witness)
+print(json.dumps({"contact": comm.contact}), flush=True)
+end = time.time() + 30
+while time.time() < end:
+    try:
+        comm.update()
+        comm.allreduce(np.ones(4))
+    except plait.PeerLost:
+        continue
+    except plait.PlaitError as e:
+        print(json.dumps({"error": type(e).__name__, "message": str(e), "world": comm.world_size}), flush=True)
+        sys.exit(0)
+    if comm.world_size == 1 and comm.epoch > 1:
+        print(json.dumps({"alone": True, "epoch": comm.epoch}), flush=True)
+        sys.exit(0)
+"""
+
+
+@pytest.mark.parametrize("with_witness", [True, False])
+def test_two_members_survive_a_crash_with_a_witness_and_wait_without_one(with_witness):
+    import plait.elastic
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    env.pop("PLAIT_JOIN", None)
+    env.pop("PLAIT_WITNESS", None)
+    w = plait.elastic.witness("127.0.0.1:0", heartbeat_timeout=HB) if with_witness else None
+    try:
+        args = [w.contact if w else "", "4"]
+        founder = subprocess.Popen([sys.executable, "-c", _PAIR_WORKER, *args], env=env, stdout=subprocess.PIPE, text=True)
+        contact = json.loads(founder.stdout.readline())["contact"]
+        joiner = subprocess.Popen([sys.executable, "-c", _PAIR_WORKER, "", "4"], env=dict(env, PLAIT_JOIN=contact),
+                                  stdout=subprocess.PIPE, text=True)
+        joiner.stdout.readline()
+        if w:
+            _wait_for(lambda: w.view()[1] == 2, 20, "the witness learns the two-member view")
+        time.sleep(0.5)
+        joiner.kill()
+        joiner.wait()
+        start = time.time()
+        out, _ = founder.communicate(timeout=60)
+        last = json.loads(out.strip().splitlines()[-1])
+        if with_witness:
+            assert last.get("alone"), last
+            assert time.time() - start < 5
+        else:
+            assert last["error"] == "PlaitTimeoutError", last
+            assert "majority" in last["message"], last["message"]
+    finally:
+        if w:
+            w.close()

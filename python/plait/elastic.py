@@ -26,11 +26,22 @@ from .comm import Communicator, _str, _timeout
 if TYPE_CHECKING:
     from numpy.typing import ArrayLike
 
-__all__ = ["join", "ElasticCommunicator", "PeerLost"]
+__all__ = ["join", "witness", "ElasticCommunicator", "PeerLost"]
+
+
+def witness(listen: str, *, group: str = "default", heartbeat_timeout: Optional[float] = None) -> Any:
+    """Starts a witness for `group` in this process (what `plait witness` runs): it listens on
+    `listen` and votes in every view change of the group that names it. Returns an object with
+    `contact` and `close()`."""
+    kw = {}
+    if heartbeat_timeout is not None:
+        kw["heartbeat_timeout"] = float(heartbeat_timeout)
+    return _core.Witness(listen=_str(listen, "plait.elastic.witness", "listen"), group=_str(group, "plait.elastic.witness", "group"), **kw)
 
 
 def join(peers: Optional[Sequence[str]] = None, *, listen: Optional[str] = None, group: str = "default",
-         timeout: Optional[float] = None, heartbeat_timeout: Optional[float] = None) -> "ElasticCommunicator":
+         timeout: Optional[float] = None, heartbeat_timeout: Optional[float] = None,
+         witness: Optional[str] = None) -> "ElasticCommunicator":
     """Joins the group of a member at one of `peers` ("host:port", its `contact`), or founds a
     new group when `peers` is empty. Returns once a view with this member is agreed: a joiner
     is admitted at the members' next `update()`.
@@ -41,12 +52,17 @@ def join(peers: Optional[Sequence[str]] = None, *, listen: Optional[str] = None,
     `timeout`: the deadline of joining, of each operation and of each view change (default
     PLAIT_TIMEOUT). `heartbeat_timeout`: how long a silent member is waited for (default
     PLAIT_HEARTBEAT_TIMEOUT, 2 s). The group's secret is PLAIT_TOKEN, as in static mode.
+    `witness`: for the founder, the address of the group's witness (`plait witness`; default
+    PLAIT_WITNESS): it votes in every change, so that a group of two survives losing one. Joiners
+    learn it from the group.
     """
     w = "plait.elastic.join"
     if peers is None:
         peers = [p.strip() for p in (_core.setting("PLAIT_JOIN") or "").split(",") if p.strip()]
     if listen is None:
         listen = _core.setting("PLAIT_LISTEN") or "0.0.0.0:0"
+    if witness is None:
+        witness = _core.setting("PLAIT_WITNESS")
     if isinstance(peers, str):
         peers = [peers]
     peers = [_str(p, w, "peers") for p in (peers or [])]
@@ -55,6 +71,8 @@ def join(peers: Optional[Sequence[str]] = None, *, listen: Optional[str] = None,
         kw["timeout"] = _timeout(timeout, w)
     if heartbeat_timeout is not None:
         kw["heartbeat_timeout"] = float(heartbeat_timeout)
+    if witness is not None:
+        kw["witness"] = _str(witness, w, "witness")
     core = _core.Elastic(peers=peers, listen=_str(listen, w, "listen"), group=_str(group, w, "group"), **kw)
     return ElasticCommunicator(core)
 

@@ -266,8 +266,9 @@ impl PyElastic {
     /// Founds a group (no `peers`) or joins the group of a member at one of `peers`; returns once
     /// this member is in a committed view.
     #[new]
-    #[pyo3(signature = (*, peers=Vec::new(), listen="0.0.0.0:0".to_string(), group="default".to_string(), timeout=None, heartbeat_timeout=None))]
-    fn new(py: Python<'_>, peers: Vec<String>, listen: String, group: String, timeout: Option<f64>, heartbeat_timeout: Option<f64>) -> PyResult<Self> {
+    #[pyo3(signature = (*, peers=Vec::new(), listen="0.0.0.0:0".to_string(), group="default".to_string(), timeout=None, heartbeat_timeout=None, witness=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(py: Python<'_>, peers: Vec<String>, listen: String, group: String, timeout: Option<f64>, heartbeat_timeout: Option<f64>, witness: Option<String>) -> PyResult<Self> {
         let mut cfg = CommConfig::from_env(0, 1).map_err(to_py)?;
         cfg.group = group;
         if let Some(t) = secs("elastic", timeout)? {
@@ -276,7 +277,7 @@ impl PyElastic {
         if let Some(h) = heartbeat_timeout {
             cfg.heartbeat_timeout = Duration::from_secs_f64(plait_core::check_setting("PLAIT_HEARTBEAT_TIMEOUT", &h.to_string()).map_err(to_py)?);
         }
-        let comm = py.allow_threads(move || guarded("elastic", || ElasticComm::start(ElasticConfig { listen, peers, comm: cfg }))).map_err(to_py)?;
+        let comm = py.allow_threads(move || guarded("elastic", || ElasticComm::start(ElasticConfig { listen, peers, witness, comm: cfg }))).map_err(to_py)?;
         Ok(PyElastic { comm: Arc::new(comm) })
     }
 
@@ -358,6 +359,40 @@ impl PyElastic {
             comm.close();
             Ok(())
         }));
+    }
+}
+
+/// A witness for one elastic group (`plait witness`).
+#[pyclass(name = "Witness", module = "plait._core")]
+struct PyWitness {
+    witness: plait_core::Witness,
+}
+
+#[pymethods]
+impl PyWitness {
+    #[new]
+    #[pyo3(signature = (*, listen, group="default".to_string(), heartbeat_timeout=None))]
+    fn new(listen: String, group: String, heartbeat_timeout: Option<f64>) -> PyResult<Self> {
+        let cfg = CommConfig::from_env(0, 1).map_err(to_py)?;
+        let hb = match heartbeat_timeout {
+            Some(h) => Duration::from_secs_f64(plait_core::check_setting("PLAIT_HEARTBEAT_TIMEOUT", &h.to_string()).map_err(to_py)?),
+            None => cfg.heartbeat_timeout,
+        };
+        let token = cfg.token.as_ref().map(|t| t.secret().to_vec());
+        let witness = guarded("witness", || plait_core::Witness::start(&group, &listen, token, hb)).map_err(to_py)?;
+        Ok(PyWitness { witness })
+    }
+    #[getter]
+    fn contact(&self) -> String {
+        self.witness.contact()
+    }
+    /// (epoch, number of members) of the last view it learnt.
+    fn view(&self) -> (u64, usize) {
+        let v = self.witness.view();
+        (v.epoch, v.members.len())
+    }
+    fn close(&self) {
+        self.witness.close();
     }
 }
 
@@ -752,6 +787,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let _ = EXC.set(py, ns.unbind());
     m.add_class::<PyComm>()?;
     m.add_class::<PyElastic>()?;
+    m.add_class::<PyWitness>()?;
     m.add_class::<PyWork>()?;
     m.add_function(wrap_pyfunction!(algorithms, m)?)?;
     m.add_function(wrap_pyfunction!(interfaces, m)?)?;

@@ -213,6 +213,9 @@ def _churn(args, console):
         for kind in sorted(report.recovery_ms):
             console.print(f"  {kind}: to the next committed operation p50 {report.percentile(kind, 50):.0f} ms, "
                           f"p99 {report.percentile(kind, 99):.0f} ms ({len(report.recovery_ms[kind])} events)")
+        if report.join_ms:
+            console.print(f"  joins: admitted after p50 {d['join_p50_ms']:.0f} ms, p99 {d['join_p99_ms']:.0f} ms "
+                          f"({len(report.join_ms)} joiners)")
         console.print(f"  longest stall {report.longest_stall_ms:.0f} ms")
         for e in report.errors[:5]:
             console.print(f"[red]  member error: {e}")
@@ -252,6 +255,13 @@ def main(argv=None):
                      "founder a fixed port, e.g. 0.0.0.0:29400)")
     run.add_argument("script", help="the Python script")
     run.add_argument("args", nargs=argparse.REMAINDER, help="its arguments")
+    wit = sub.add_parser("witness", help="a tie-breaking vote for an elastic group (so that two members survive one loss)",
+                         description="Votes in every view change of GROUP as one more acceptor, and holds nothing "
+                         "else: a group of two (or any even split) keeps a majority on the side that reaches it. Run it "
+                         "where both sides can reach it; give its address to the founder (witness= or PLAIT_WITNESS).")
+    wit.add_argument("--listen", default="0.0.0.0:29499", help="where it listens (default 0.0.0.0:29499)")
+    wit.add_argument("--group", default="default", help="the group's name (default: default)")
+    wit.add_argument("--heartbeat-timeout", type=float, help="as the members' PLAIT_HEARTBEAT_TIMEOUT")
     from .trace import add_arguments as trace_arguments
 
     trace_arguments(sub.add_parser("trace", help="read the traces every rank writes on a timeout or failure"))
@@ -278,6 +288,22 @@ def main(argv=None):
         return bench_run(args)
     if args.command == "testbed":
         return _testbed(args, parser)
+    if args.command == "witness":
+        import time
+
+        from ..elastic import witness
+
+        w = witness(args.listen, group=args.group, heartbeat_timeout=args.heartbeat_timeout)
+        print(f"plait witness for group {args.group!r} at {w.contact}", flush=True)
+        _sigterm_as_exit()
+        try:
+            while True:
+                time.sleep(3600)
+        except KeyboardInterrupt:
+            pass
+        finally:
+            w.close()
+        return 0
     if args.command == "run":
         import os
         import subprocess

@@ -132,6 +132,13 @@ pub const SETTINGS: &[Setting] = &[
         range: None,
     },
     Setting {
+        name: "PLAIT_WITNESS",
+        kind: "text",
+        default: "",
+        doc: "Elastic mode: the address (`host:port`) of the group's witness (`plait witness`), for the member that founds the group; joiners learn it from the group. It votes in every change, so that a group of two survives losing one.",
+        range: None,
+    },
+    Setting {
         name: "PLAIT_LISTEN",
         kind: "text",
         default: "0.0.0.0:0",

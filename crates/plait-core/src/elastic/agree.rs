@@ -10,8 +10,11 @@
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet};
 
-/// A member's identity; lower is more senior (joined earlier).
+/// A member's identity (random; seniority is the order of a view's members).
 pub type MemberId = u64;
+
+/// The witness's identity in the agreement: one more acceptor, never a member.
+pub const WITNESS: MemberId = u64::MAX;
 
 /// A view: the epoch and its members, most senior first.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -27,17 +30,32 @@ pub struct View {
     pub forced: bool,
     /// Where each member's control plane listens ("host:port"); facts carried with the view.
     pub contacts: BTreeMap<MemberId, String>,
+    /// Where the witness listens, if the group has one: it votes in every change as one more
+    /// acceptor, so that an even split (two members, one lost) still has a majority on one side.
+    /// Fixed when the group is founded; every view carries it to joiners.
+    #[serde(default)]
+    pub witness: Option<String>,
 }
 
 impl View {
-    /// Strictly more than half of this view's members.
+    /// Strictly more than half of this view's voters (its members, and the witness if any).
     pub fn majority(&self) -> usize {
-        self.members.len() / 2 + 1
+        (self.members.len() + self.witness.is_some() as usize) / 2 + 1
+    }
+
+    /// Whether `id` votes on the change from this view.
+    pub fn votes(&self, id: MemberId) -> bool {
+        self.members.contains(&id) || (id == WITNESS && self.witness.is_some())
+    }
+
+    /// Everyone asked to vote on the change from this view.
+    pub fn voters(&self) -> impl Iterator<Item = MemberId> + '_ {
+        self.members.iter().copied().chain(self.witness.as_ref().map(|_| WITNESS))
     }
 
     /// The first view of a group: its founder alone.
-    pub fn founded(id: MemberId, contact: String) -> View {
-        View { epoch: 0, members: vec![id], done: 0, forced: false, contacts: BTreeMap::from([(id, contact)]) }
+    pub fn founded(id: MemberId, contact: String, witness: Option<String>) -> View {
+        View { epoch: 0, members: vec![id], done: 0, forced: false, contacts: BTreeMap::from([(id, contact)]), witness }
     }
 }
 
@@ -117,7 +135,7 @@ impl Member {
         let ballot = Ballot { round: self.max_round, proposer: self.id };
         self.proposal = Some(Proposal { ballot, expect, joiners, leaving, forced, promises: BTreeMap::new(), value: None, accepted: BTreeSet::new() });
         let epoch = self.next_epoch();
-        self.view.members.iter().map(|&m| (m, Msg::Prepare { epoch, ballot })).collect()
+        self.view.voters().map(|m| (m, Msg::Prepare { epoch, ballot })).collect()
     }
 
     /// Whether this member drives a proposal that has not chosen its value yet.
@@ -151,12 +169,18 @@ impl Member {
                     contacts.insert(*j, contact.clone());
                 }
             }
-            let done = p.promises.iter().filter(|(m, _)| !p.leaving.contains(m)).map(|(_, (_, d))| *d).min().unwrap_or(0);
-            View { epoch, members, done, forced: p.forced, contacts }
+            let done = p
+                .promises
+                .iter()
+                .filter(|(m, _)| self.view.members.contains(m) && !p.leaving.contains(m))
+                .map(|(_, (_, d))| *d)
+                .min()
+                .unwrap_or(0);
+            View { epoch, members, done, forced: p.forced, contacts, witness: self.view.witness.clone() }
         });
         p.value = Some(value.clone());
         let ballot = p.ballot;
-        self.view.members.iter().map(|&m| (m, Msg::Accept { epoch, ballot, view: value.clone() })).collect()
+        self.view.voters().map(|m| (m, Msg::Accept { epoch, ballot, view: value.clone() })).collect()
     }
 
     /// Handles `msg` from `from`; returns what to send.
@@ -164,7 +188,8 @@ impl Member {
         let next = self.next_epoch();
         match msg {
             Msg::Commit { view } => {
-                if view.epoch > self.view.epoch {
+                // A witness that has not heard of the group yet takes its first view as it is.
+                if view.epoch > self.view.epoch || (self.id == WITNESS && self.view.members.is_empty()) {
                     self.adopt(view);
                 }
                 Vec::new()
@@ -187,7 +212,8 @@ impl Member {
                     return Vec::new();
                 }
                 self.promised = Some(ballot);
-                vec![(from, Msg::Promise { epoch: next, ballot, accepted: self.accepted.clone(), last_done: self.last_done })]
+                let last_done = if self.id == WITNESS { u64::MAX } else { self.last_done };
+                vec![(from, Msg::Promise { epoch: next, ballot, accepted: self.accepted.clone(), last_done })]
             }
             Msg::Accept { ballot, view, .. } => {
                 self.max_round = self.max_round.max(ballot.round);
@@ -199,7 +225,7 @@ impl Member {
                 vec![(from, Msg::Accepted { epoch: next, ballot })]
             }
             Msg::Promise { epoch, ballot, accepted, last_done } => {
-                if epoch != next || !self.view.members.contains(&from) {
+                if epoch != next || !self.view.votes(from) {
                     return Vec::new();
                 }
                 let Some(p) = self.proposal.as_mut().filter(|p| p.ballot == ballot && p.value.is_none()) else { return Vec::new() };
@@ -207,7 +233,7 @@ impl Member {
                 self.choose(true)
             }
             Msg::Accepted { epoch, ballot } => {
-                if epoch != next || !self.view.members.contains(&from) {
+                if epoch != next || !self.view.votes(from) {
                     return Vec::new();
                 }
                 let majority = self.view.majority();
@@ -217,7 +243,7 @@ impl Member {
                     return Vec::new();
                 }
                 let view = p.value.clone().expect("checked above");
-                let mut to: BTreeSet<MemberId> = self.view.members.iter().copied().collect();
+                let mut to: BTreeSet<MemberId> = self.view.voters().collect();
                 to.extend(view.members.iter().copied());
                 self.adopt(view.clone());
                 to.into_iter().filter(|&m| m != self.id).map(|m| (m, Msg::Commit { view: view.clone() })).collect()

@@ -30,6 +30,8 @@ impl Rng {
 
 struct World {
     members: Vec<Member>,
+    /// The witness, in runs that have one: an acceptor that is never a member.
+    witness: Option<Member>,
     crashed: Vec<bool>,
     /// Messages on their way: (from, to, msg).
     wire: Vec<(MemberId, MemberId, Msg)>,
@@ -49,10 +51,10 @@ fn last_done(m: MemberId, e: u64) -> u64 {
 }
 
 impl World {
-    fn new(n: usize) -> World {
+    fn new(n: usize, witnessed: bool) -> World {
         let members: Vec<MemberId> = (0..n as u64).collect();
         let contacts = members.iter().map(|&m| (m, format!("m{m}"))).collect();
-        let first = View { epoch: 0, members, done: 0, forced: false, contacts };
+        let first = View { epoch: 0, members, done: 0, forced: false, contacts, witness: witnessed.then(|| "w".to_string()) };
         let mut committed = HashMap::new();
         committed.insert(0, first.clone());
         World {
@@ -63,6 +65,7 @@ impl World {
                     m
                 })
                 .collect(),
+            witness: witnessed.then(|| Member::new(WITNESS, first.clone())),
             crashed: vec![false; n],
             wire: Vec::new(),
             cut: None,
@@ -83,10 +86,22 @@ impl World {
     /// Delivers message `i` (or loses it), then checks what changed.
     fn deliver(&mut self, i: usize, lose: bool) {
         let (from, to, msg) = self.wire.swap_remove(i);
+        if to == WITNESS {
+            // The witness sits on side A of a partition.
+            let cut_off = self.cut.as_ref().is_some_and(|side| (from as usize) < side.len() && !side[from as usize]);
+            if lose || cut_off {
+                return;
+            }
+            let Some(witness) = self.witness.as_mut() else { return };
+            let out = witness.handle(from, msg);
+            self.send(WITNESS, out);
+            return;
+        }
         if to as usize >= self.members.len() {
             return; // a joiner: it only appears in views here
         }
-        let cut_off = self.cut.as_ref().is_some_and(|side| side[from as usize] != side[to as usize]);
+        let side_of = |side: &Vec<bool>, m: MemberId| if m == WITNESS { true } else { side[m as usize] };
+        let cut_off = self.cut.as_ref().is_some_and(|side| side_of(side, from) != side_of(side, to));
         if lose || cut_off || self.crashed[to as usize] {
             return;
         }
@@ -115,7 +130,7 @@ impl World {
         let previous = self.committed.get(&(view.epoch - 1)).cloned();
         if let Some(previous) = previous {
             let backed = self.accepts.iter().any(|((e, _), (v, who))| {
-                *e == view.epoch && v == view && who.iter().filter(|m| previous.members.contains(m)).count() >= previous.majority()
+                *e == view.epoch && v == view && who.iter().filter(|m| previous.votes(**m)).count() >= previous.majority()
             });
             assert!(backed, "epoch {} committed without a majority of {:?}", view.epoch, previous.members);
             let e = previous.epoch;
@@ -161,8 +176,10 @@ impl World {
 /// members propose different changes at once.
 fn chaos(seed: u64, crashes: bool, rivals: bool) -> World {
     let mut rng = Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1);
-    let n = 3 + rng.below(5) as usize;
-    let mut w = World::new(n);
+    // A third of the runs have a witness, and start from two members (the case it is for).
+    let witnessed = seed % 3 == 0;
+    let n = if witnessed { 2 + rng.below(5) as usize } else { 3 + rng.below(5) as usize };
+    let mut w = World::new(n, witnessed);
     for _ in 0..600 {
         match rng.below(100) {
             0..=64 if !w.wire.is_empty() => {

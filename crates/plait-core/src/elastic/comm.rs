@@ -34,6 +34,9 @@ pub struct ElasticConfig {
     pub listen: String,
     /// Control addresses of members to ask for admission; empty founds a new group.
     pub peers: Vec<String>,
+    /// For a founder: the group's witness ("host:port" of `plait witness`), if any. Joiners learn
+    /// it from the view.
+    pub witness: Option<String>,
     /// The settings of every epoch's mesh (`group`, `timeout`, `token`...); its rank, size and
     /// epoch are the view's. `timeout` also bounds joining and each wait for a new view;
     /// `heartbeat_timeout` is the control plane's.
@@ -86,7 +89,7 @@ impl ElasticComm {
         let control = if joining {
             Control::join(control_cfg, &cfg.listen, &cfg.peers, Instant::now() + cfg.comm.timeout)?
         } else {
-            Control::found(control_cfg, &cfg.listen)?
+            Control::found(control_cfg, &cfg.listen, cfg.witness.clone())?
         };
         // Not the view now: the group may have moved on since this member was admitted, and its
         // calls pair with the members' from the admitting epoch on.
@@ -304,6 +307,40 @@ impl ElasticComm {
             PlaitError::Aborted { .. } | PlaitError::Evicted(_) => {}
             _ => self.control.want_change(epoch, e.to_string()),
         }
+    }
+}
+
+/// A witness for one group: it votes in every view change as one more acceptor, so that a group
+/// split in two equal halves (two members, one lost) still has a majority on one side. It holds
+/// no data and takes part in no operation; it may run anywhere both halves can reach.
+pub struct Witness {
+    control: Arc<Control>,
+}
+
+impl Witness {
+    pub fn start(group: &str, listen: &str, token: Option<Vec<u8>>, heartbeat_timeout: Duration) -> Result<Witness> {
+        let cfg = ControlConfig { group: group.to_string(), token, heartbeat_timeout, connect_timeout: Duration::from_secs(5) };
+        Ok(Witness { control: Control::witness(cfg, listen)? })
+    }
+
+    /// Where members reach it (`ElasticConfig::witness`).
+    pub fn contact(&self) -> String {
+        self.control.contact().to_string()
+    }
+
+    /// The epoch and members of the last view it learnt.
+    pub fn view(&self) -> View {
+        self.control.view()
+    }
+
+    pub fn close(&self) {
+        self.control.close();
+    }
+}
+
+impl Drop for Witness {
+    fn drop(&mut self) {
+        self.control.close();
     }
 }
 

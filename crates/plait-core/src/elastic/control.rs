@@ -7,7 +7,7 @@
 //! (an eighth of the heartbeat timeout) sends heartbeats, names silent members and moves stalled
 //! proposals on. Callers read the state under its lock and wait on its condition variable.
 
-use super::agree::{Member, MemberId, Msg, View};
+use super::agree::{Member, MemberId, Msg, View, WITNESS};
 use super::link::{Ctl, CtlLink};
 use crate::error::{PlaitError, Result};
 use crossbeam_channel::{Receiver, Sender};
@@ -50,11 +50,22 @@ enum Event {
     Leave,
 }
 
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Role {
+    Member,
+    Joiner,
+    Witness,
+}
+
 struct State {
     agree: Member,
     /// Set once this process is in a committed view; a joiner before that ignores views
     /// without itself.
     member: bool,
+    /// This process is a witness: it only votes.
+    witness: bool,
+    /// When this member last dialled the group's witness.
+    witness_dialed: Option<Instant>,
     links: HashMap<MemberId, Arc<CtlLink>>,
     heard: HashMap<MemberId, Instant>,
     said: HashMap<MemberId, Instant>,
@@ -113,14 +124,25 @@ fn contact_for(bound: SocketAddr) -> String {
 }
 
 impl Control {
-    /// Founds a group: this process is its only member, in epoch 0.
-    pub fn found(cfg: ControlConfig, listen: &str) -> Result<Arc<Control>> {
+    /// Founds a group: this process is its only member, in epoch 0; `witness`: the address of
+    /// the group's witness, if it has one (every later view carries it).
+    pub fn found(cfg: ControlConfig, listen: &str, witness: Option<String>) -> Result<Arc<Control>> {
         let listener = bind(listen)?;
         let me = fresh_id();
         let contact = contact_for(listener.local_addr()?);
-        let view = View::founded(me, contact.clone());
-        let control = Control::start(cfg, me, contact, view, true, listener)?;
+        let view = View::founded(me, contact.clone(), witness);
+        let control = Control::start(cfg, me, contact, view, Role::Member, listener)?;
+        control.link_witness();
         Ok(control)
+    }
+
+    /// A witness: it votes in every view change of `cfg.group` as one more acceptor, and holds
+    /// nothing else (`plait witness`).
+    pub fn witness(cfg: ControlConfig, listen: &str) -> Result<Arc<Control>> {
+        let listener = bind(listen)?;
+        let contact = contact_for(listener.local_addr()?);
+        let nobody = View { epoch: 0, members: Vec::new(), done: 0, forced: false, contacts: BTreeMap::new(), witness: Some(contact.clone()) };
+        Control::start(cfg, WITNESS, contact, nobody, Role::Witness, listener)
     }
 
     /// Joins the group that a member at one of `peers` belongs to: returns once a view with
@@ -131,8 +153,8 @@ impl Control {
         let me = fresh_id();
         let port = listener.local_addr()?.port();
         let contact = contact_for(listener.local_addr()?);
-        let nobody = View { epoch: 0, members: Vec::new(), done: 0, forced: false, contacts: BTreeMap::new() };
-        let control = Control::start(cfg.clone(), me, contact, nobody, false, listener)?;
+        let nobody = View { epoch: 0, members: Vec::new(), done: 0, forced: false, contacts: BTreeMap::new(), witness: None };
+        let control = Control::start(cfg.clone(), me, contact, nobody, Role::Joiner, listener)?;
         // Members come and go: every address is tried in turn until one answers or the
         // deadline passes. A refusal (another token or group) ends it at once.
         let mut why: Vec<String> = Vec::new();
@@ -181,7 +203,8 @@ impl Control {
         Ok(control)
     }
 
-    fn start(cfg: ControlConfig, me: MemberId, contact: String, view: View, member: bool, listener: TcpListener) -> Result<Arc<Control>> {
+    fn start(cfg: ControlConfig, me: MemberId, contact: String, view: View, role: Role, listener: TcpListener) -> Result<Arc<Control>> {
+        let member = role == Role::Member;
         let (tx, rx) = crossbeam_channel::unbounded();
         let mut decisions = BTreeMap::new();
         if member {
@@ -190,6 +213,8 @@ impl Control {
         let state = State {
             agree: Member::new(me, view),
             member,
+            witness: role == Role::Witness,
+            witness_dialed: None,
             links: HashMap::new(),
             heard: HashMap::new(),
             said: HashMap::new(),
@@ -465,6 +490,20 @@ impl Control {
         });
     }
 
+    /// Dials the group's witness, if it has one and no link to it is open.
+    fn link_witness(self: &Arc<Self>) {
+        let addr = {
+            let st = self.state.lock();
+            if st.links.contains_key(&WITNESS) {
+                return;
+            }
+            st.agree.view.witness.clone()
+        };
+        if let Some(addr) = addr {
+            self.dial(WITNESS, addr);
+        }
+    }
+
     fn connect(&self, contact: &str, first: &Ctl) -> Result<(MemberId, Arc<CtlLink>)> {
         let addr = contact
             .to_socket_addrs()
@@ -548,6 +587,10 @@ impl Control {
                 let _ = link.set_timeouts(None, self.cfg.heartbeat_timeout);
                 let now = Instant::now();
                 st.heard.insert(id, now);
+                if id == WITNESS && st.member {
+                    // The witness learns the group's view from its members.
+                    let _ = link.send(&Ctl::Agree(Msg::Commit { view: st.agree.view.clone() }));
+                }
                 if let Some(contact) = joiner {
                     st.pending.insert(id, contact.clone());
                     let msg = Ctl::Pending { id, contact };
@@ -616,7 +659,7 @@ impl Control {
         match msg {
             Ctl::Heartbeat { epoch } => {
                 let mine = st.agree.view.epoch;
-                if st.member && epoch < mine && st.agree.view.members.contains(&from) {
+                if st.member && epoch < mine && st.agree.view.votes(from) {
                     self.send(st, from, Ctl::Agree(Msg::Commit { view: st.agree.view.clone() }));
                 } else if epoch > mine && st.member {
                     self.send(st, from, Ctl::Agree(Msg::Behind { epoch: mine }));
@@ -655,7 +698,7 @@ impl Control {
         let mut queue = vec![(from, msg)];
         while let Some((from, msg)) = queue.pop() {
             if let Msg::Commit { view } = &msg {
-                if !st.member && !view.members.contains(&self.me) {
+                if !st.member && !st.witness && !view.members.contains(&self.me) {
                     continue; // not admitted yet: a view without this joiner says nothing to it
                 }
             }
@@ -693,6 +736,18 @@ impl Control {
     /// A new view was committed here.
     fn adopted(self: &Arc<Self>, st: &mut State) {
         let view = st.agree.view.clone();
+        if st.witness {
+            tracing::info!("elastic witness: group '{}' is at epoch {} with {} members", self.cfg.group, view.epoch, view.members.len());
+            // Links of members that left the group close.
+            st.links.retain(|id, l| {
+                let kept = view.members.contains(id);
+                if !kept {
+                    l.shutdown();
+                }
+                kept
+            });
+            return;
+        }
         if !view.members.contains(&self.me) {
             if st.member {
                 st.evicted = Some(format!(
@@ -785,6 +840,14 @@ impl Control {
                     st.suspects.entry(m).or_insert_with(|| format!("silent for {silent:.2?} (heartbeat timeout {hb:.2?})"));
                 }
             }
+        }
+        if st.member && st.agree.view.witness.is_some() && !st.links.contains_key(&WITNESS)
+            && st.witness_dialed.is_none_or(|t| now - t >= hb)
+        {
+            st.witness_dialed = Some(now);
+            drop(st);
+            self.link_witness();
+            st = self.state.lock();
         }
         if st.agree.proposing() && st.proposed_at.is_some_and(|t| now - t >= self.grace()) {
             let out = st.agree.decide();

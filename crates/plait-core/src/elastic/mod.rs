@@ -13,4 +13,4 @@ mod comm;
 mod control;
 mod link;
 
-pub use comm::{ElasticComm, ElasticConfig};
+pub use comm::{ElasticComm, ElasticConfig, Witness};

@@ -46,6 +46,7 @@ def member_main(argv: List[str]) -> int:
         event["t"] = time.time()
         log.write(json.dumps(event) + "\n")
 
+    emit(event="joining")
     try:
         comm = plait.elastic.join(peers, listen="127.0.0.1:0", heartbeat_timeout=hb, timeout=max(30.0, 10 * hb))
     except plait.PlaitError as e:
@@ -104,6 +105,9 @@ class ChurnReport:
     stops: int = 0
     joins: int = 0
     recovery_ms: Dict[str, List[float]] = field(default_factory=dict)
+    #: From a joiner's first call of join() to its admission (the members call update() before
+    #: every operation, so this is the admission's own cost).
+    join_ms: List[float] = field(default_factory=list)
     longest_stall_ms: float = 0.0
     epochs: int = 0
 
@@ -118,6 +122,10 @@ class ChurnReport:
         for kind in list(self.recovery_ms):
             d[f"{kind}_p50_ms"] = self.percentile(kind, 50)
             d[f"{kind}_p99_ms"] = self.percentile(kind, 99)
+        joins = sorted(self.join_ms)
+        if joins:
+            d["join_p50_ms"] = joins[len(joins) // 2]
+            d["join_p99_ms"] = joins[min(len(joins) - 1, int(round(0.99 * (len(joins) - 1))))]
         return d
 
 
@@ -228,7 +236,12 @@ class Churn:
         done = {}  # (epoch, index) -> completion time (earliest member)
         epochs = set()
         for m in self.members + self.gone:
-            for e in _events(m.log):
+            events = _events(m.log)
+            asked = [e["t"] for e in events if e["event"] == "joining"]
+            joined = [e["t"] for e in events if e["event"] == "joined" and e.get("epoch", 0) > 0]
+            if asked and joined:
+                r.join_ms.append((joined[0] - asked[0]) * 1000)
+            for e in events:
                 kind = e["event"]
                 if kind == "ok":
                     key = (e["epoch"], e["index"])
