@@ -281,3 +281,48 @@ def test_two_members_survive_a_crash_with_a_witness_and_wait_without_one(with_wi
     finally:
         if w:
             w.close()
+
+
+_SCENARIOS = Path(__file__).resolve().parent / "elastic_scenarios"
+
+
+def _scenario(name, roles, tmp_path, timeout=90, wait_for=None):
+    """Runs one process per role; waits for the roles in `wait_for` (default: all), then kills
+    the others (a role may have stopped itself)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    env.pop("PLAIT_JOIN", None)
+    procs = {r: subprocess.Popen([sys.executable, str(_SCENARIOS / f"{name}.py"), r, str(tmp_path)], env=env,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in roles}
+    wait_for = wait_for or roles
+    out = {}
+    try:
+        for r in list(wait_for) + [r for r in roles if r not in wait_for]:
+            p = procs[r]
+            if r not in wait_for:
+                os.kill(p.pid, signal.SIGKILL)
+            o, e = p.communicate(timeout=timeout)
+            out[r] = [json.loads(line) for line in o.splitlines() if line.startswith("{")]
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                os.kill(p.pid, signal.SIGKILL)
+                p.wait()
+    return out
+
+
+def test_a_joiner_that_gives_up_does_not_turn_every_update_into_a_view_change(tmp_path):
+    out = _scenario("stale_pending", ["A", "B", "J"], tmp_path)
+    assert out["J"] and out["J"][-1]["ev"] == "join_failed"
+    for r in ("A", "B"):
+        assert len(out[r]) == 6, out[r]
+        assert not any(e["changed"] for e in out[r]), out[r]
+        assert out[r][-1]["pending"] == 0, "the joiner that went away is forgotten everywhere"
+
+
+def test_a_member_stopped_while_a_mesh_is_built_costs_a_heartbeat_timeout_not_the_operation_timeout(tmp_path):
+    out = _scenario("boot_stall", ["A", "B", "C"], tmp_path, wait_for=["A", "B"])
+    for r in ("A", "B"):
+        last = out[r][-1]
+        assert last["ev"] == "err" and last["kind"] == "PeerLost", last
+        assert last["took"] < 10, f"{r} waited {last['took']} s (heartbeat timeout 1 s, operation timeout 20 s)"
+        assert "no member" not in last["msg"], "the error names the member that was lost"

@@ -98,7 +98,7 @@ pub(crate) fn bootstrap(store: &dyn Store, cfg: &CommConfig) -> Result<Mesh> {
         cfg,
         store,
         prefix: format!("plait/{}/{}", cfg.group, cfg.epoch),
-        deadline: Instant::now() + cfg.timeout,
+        deadline: Instant::now() + cfg.startup_timeout.unwrap_or(cfg.timeout).min(cfg.timeout),
         hello: Hello {
             group: cfg.group.clone(),
             epoch: cfg.epoch,
@@ -143,14 +143,36 @@ pub(crate) fn bootstrap(store: &dyn Store, cfg: &CommConfig) -> Result<Mesh> {
     let mut session = Session::new(rank, size, mailbox, groups)?;
     session.busy_poll = cfg.busy_poll;
     let mut routes = Vec::new();
-    let connected = rendezvous(&plan, &me).and_then(|infos| {
-        if let Some(l) = &listener {
-            let higher: Vec<(u32, Vec<_>)> =
-                infos[rank + 1..].iter().map(|i| (i.rank as u32, i.addrs.iter().map(|a| a.ip).collect())).collect();
-            l.admit(&higher);
+    let watching = std::sync::atomic::AtomicBool::new(true);
+    let connected = std::thread::scope(|scope| {
+        if let Some(give_up) = &cfg.give_up {
+            // Waits on a listener and on connects cannot ask the question themselves: this
+            // watcher closes the one and cancels the others when the answer turns to yes.
+            let (listener, auth, watching) = (listener.as_ref(), &plan.auth, &watching);
+            scope.spawn(move || {
+                while watching.load(std::sync::atomic::Ordering::SeqCst) {
+                    if (give_up.0)() {
+                        auth.cancel();
+                        if let Some(l) = listener {
+                            l.close();
+                        }
+                        return;
+                    }
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+            });
         }
-        let routing = Routing { me: &me, infos: &infos, filter: filter.as_ref(), file: route_file.as_ref() };
-        connect_mesh(&plan, &routing, listener.as_ref(), &demux, &mut session, &mut routes)
+        let r = rendezvous(&plan, &me).and_then(|infos| {
+            if let Some(l) = &listener {
+                let higher: Vec<(u32, Vec<_>)> =
+                    infos[rank + 1..].iter().map(|i| (i.rank as u32, i.addrs.iter().map(|a| a.ip).collect())).collect();
+                l.admit(&higher);
+            }
+            let routing = Routing { me: &me, infos: &infos, filter: filter.as_ref(), file: route_file.as_ref() };
+            connect_mesh(&plan, &routing, listener.as_ref(), &demux, &mut session, &mut routes)
+        });
+        watching.store(false, std::sync::atomic::Ordering::SeqCst);
+        r
     });
     let session = Arc::new(session);
     demux.attach(&session);

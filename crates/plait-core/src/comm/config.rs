@@ -327,6 +327,28 @@ pub struct CommConfig {
     pub token: Option<Token>,
     /// `PLAIT_ENCRYPT=1`: every frame is encrypted and authenticated.
     pub encrypt: bool,
+    /// Start-up's own deadline, when it is not `timeout` (elastic mode: a view's mesh is either
+    /// built at once or not at all). Not a setting.
+    pub startup_timeout: Option<Duration>,
+    /// Start-up gives up as soon as this says so (elastic mode: the group moved on while this
+    /// view's mesh was being built). Not a setting.
+    pub give_up: Option<GiveUp>,
+}
+
+/// A question start-up asks while it waits: "should I stop?".
+#[derive(Clone)]
+pub struct GiveUp(pub std::sync::Arc<dyn Fn() -> bool + Send + Sync>);
+
+impl std::fmt::Debug for GiveUp {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("GiveUp(..)")
+    }
+}
+
+impl PartialEq for GiveUp {
+    fn eq(&self, other: &GiveUp) -> bool {
+        std::sync::Arc::ptr_eq(&self.0, &other.0)
+    }
 }
 
 /// A shared secret, never printed.
@@ -494,6 +516,8 @@ impl CommConfig {
             timeout,
             hello_timeout,
             heartbeat_timeout,
+            startup_timeout: None,
+            give_up: None,
             algo: setting("PLAIT_ALGO"),
             segment_bytes,
             caller_read_bytes,

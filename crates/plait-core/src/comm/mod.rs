@@ -12,7 +12,7 @@ mod topology;
 mod work;
 mod workers;
 
-pub use config::{argument_range, check_argument, check_setting, refuse_argument, check_timeout, setting, CommConfig, Range, Setting, Token, ARGUMENTS, SETTINGS};
+pub use config::{argument_range, check_argument, check_setting, refuse_argument, check_timeout, setting, CommConfig, GiveUp, Range, Setting, Token, ARGUMENTS, SETTINGS};
 pub use threads::ThreadUse;
 pub use topology::{LinkRecord, Topology};
 pub use work::Work;

@@ -13,7 +13,7 @@
 
 use super::agree::{MemberId, View};
 use super::control::{Control, ControlConfig, Decision};
-use crate::comm::{CommConfig, Communicator};
+use crate::comm::{CommConfig, Communicator, GiveUp};
 use crate::dtype::{DType, ReduceOp};
 use crate::error::{PlaitError, Result};
 use crate::exec::CollRequest;
@@ -46,7 +46,12 @@ pub struct ElasticConfig {
 /// The operations of this member are numbered within an epoch, as every member numbers them.
 struct Ops {
     epoch: u64,
+    /// The members of `epoch`.
+    members: Vec<MemberId>,
     seq: u64,
+    /// Set when a wait for the group's next view failed: this member no longer knows where its
+    /// calls stand, so every later call fails until it joins again.
+    lost_track: Option<String>,
     mesh: Option<(Arc<Communicator>, Vec<MemberId>)>,
     /// A joiner's first `update()` is the one that admitted it, already done by the members.
     admitted: bool,
@@ -94,7 +99,9 @@ impl ElasticComm {
         // Not the view now: the group may have moved on since this member was admitted, and its
         // calls pair with the members' from the admitting epoch on.
         let epoch = control.first_epoch();
-        Ok(ElasticComm { control, template: cfg.comm, ops: Mutex::new(Ops { epoch, seq: 0, mesh: None, admitted: joining }) })
+        let members = control.decision(epoch).map(|d| d.members).unwrap_or_default();
+        let ops = Ops { epoch, members, seq: 0, lost_track: None, mesh: None, admitted: joining };
+        Ok(ElasticComm { control, template: cfg.comm, ops: Mutex::new(ops) })
     }
 
     /// The view this member is in now.
@@ -124,6 +131,9 @@ impl ElasticComm {
         let what = req.coll.name();
         let mut ops = self.ops.lock();
         ops.admitted = false;
+        if let Some(why) = &ops.lost_track {
+            return Err(PlaitError::Broken(format!("{why}; join the group again")));
+        }
         self.catch_up(&mut ops, what)?;
         ops.seq += 1;
         let (epoch, seq) = (ops.epoch, ops.seq);
@@ -155,6 +165,11 @@ impl ElasticComm {
             Ok(d) => d,
             Err(e) => {
                 restore();
+                if !matches!(e, PlaitError::Evicted(_)) {
+                    // Its peers may yet agree that this operation stands: this member can no
+                    // longer tell, so it stops here rather than pair its next call wrongly.
+                    ops.lost_track = Some(format!("epoch {epoch}'s operation {seq} has no known outcome ({e})"));
+                }
                 return Err(e.for_op(what));
             }
         };
@@ -172,7 +187,10 @@ impl ElasticComm {
         if std::mem::take(&mut self.ops.lock().admitted) {
             return Ok(true);
         }
-        let mut waiting = (self.control.pending() as i64).to_ne_bytes();
+        // Only the leader's count: it admits the joiners it knows, and another member's stale
+        // entry (a joiner that went away) must not turn every update into a view change.
+        let leads = self.control.view().members.first() == Some(&self.control.me);
+        let mut waiting = (if leads { self.control.pending() as i64 } else { 0 }).to_ne_bytes();
         let buf = RawBuf::of(&mut waiting[..]);
         let req = CollRequest {
             coll: Collective::AllReduce,
@@ -203,7 +221,12 @@ impl ElasticComm {
         if view.epoch == epoch && view.members.first() == Some(&self.control.me) {
             self.control.admit(epoch);
         }
-        self.control.wait_past(epoch, Instant::now() + self.template.timeout).map_err(|e| e.for_op("update"))?;
+        if let Err(e) = self.control.wait_past(epoch, Instant::now() + self.template.timeout) {
+            if !matches!(e, PlaitError::Evicted(_)) {
+                self.ops.lock().lost_track = Some(format!("the update point of epoch {epoch} never ended ({e})"));
+            }
+            return Err(e.for_op("update"));
+        }
         Ok(true)
     }
 
@@ -247,18 +270,18 @@ impl ElasticComm {
         }
         ops.epoch += 1;
         ops.seq = 0;
+        ops.members = self.control.decision(ops.epoch).map(|d| d.members).unwrap_or_default();
     }
 
     /// `PeerLost` for this member's current operation, moving its numbering to the next epoch.
     fn lost(&self, ops: &mut Ops, what: &str) -> PlaitError {
-        let before: Vec<MemberId> = ops.mesh.as_ref().map(|(_, m)| m.clone()).unwrap_or_default();
+        let before = ops.members.clone();
         self.next_epoch(ops);
-        let view = self.control.view();
-        let gone: Vec<String> = before.iter().filter(|m| !view.members.contains(m)).map(|m| format!("member {m:x}")).collect();
+        let gone: Vec<String> = before.iter().filter(|m| !ops.members.contains(m)).map(|m| format!("member {m:x}")).collect();
         PlaitError::PeerLost {
             op: what.to_string(),
             epoch: ops.epoch,
-            members: view.members.len(),
+            members: ops.members.len(),
             lost: if gone.is_empty() { "no member, but the view changed".into() } else { gone.join(", ") },
         }
     }
@@ -277,10 +300,16 @@ impl ElasticComm {
         cfg.rank = rank;
         cfg.size = view.members.len();
         cfg.epoch = view.epoch;
+        // A view's mesh is built at once or not at all: start-up stops as soon as the group
+        // moves on, and in any case long before an operation's deadline.
+        cfg.startup_timeout = Some((self.template.heartbeat_timeout * 10).max(Duration::from_secs(10)));
+        let control = self.control.clone();
+        let epoch = view.epoch;
+        cfg.give_up = Some(GiveUp(Arc::new(move || control.moved_past(epoch))));
         let store = ViewStore { control: self.control.clone(), epoch: view.epoch };
         let comm = Communicator::new(&store, cfg)?;
         let weak = Arc::downgrade(&comm);
-        self.control.set_on_freeze(Some(Box::new(move |why: &str| {
+        self.control.set_on_freeze(Some(Arc::new(move |why: &str| {
             if let Some(c) = weak.upgrade() {
                 c.abort(&format!("{VIEW_CHANGE}: {why}"));
             }

@@ -30,15 +30,18 @@ pub(crate) struct ControlConfig {
     pub connect_timeout: Duration,
 }
 
-/// What an epoch's outcome was, for the operations of the epoch before it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// What an epoch's outcome was, for the operations of the epoch before it, and its members.
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct Decision {
     pub done: u64,
     pub forced: bool,
+    pub members: Vec<MemberId>,
 }
 
 enum Event {
-    Linked { id: MemberId, link: Arc<CtlLink>, joiner: Option<String> },
+    /// A link is up; `dialer` is the end that connected (of two links between the same pair, the
+    /// one the larger id dialled is kept, on both ends).
+    Linked { id: MemberId, link: Arc<CtlLink>, joiner: Option<String>, dialer: MemberId },
     Message(MemberId, Ctl),
     Down { id: MemberId, link: Arc<CtlLink>, why: String },
     Suspect { epoch: u64, who: MemberId, why: String },
@@ -67,6 +70,12 @@ struct State {
     /// When this member last dialled the group's witness.
     witness_dialed: Option<Instant>,
     links: HashMap<MemberId, Arc<CtlLink>>,
+    /// Which end dialled each link.
+    dialers: HashMap<MemberId, MemberId>,
+    /// When this member last dialled every member because it had no link left.
+    isolated_dialed: Option<Instant>,
+    /// The freeze hook to call once the state lock is released (`run_deferred`).
+    abort_pending: Option<String>,
     heard: HashMap<MemberId, Instant>,
     said: HashMap<MemberId, Instant>,
     suspects: BTreeMap<MemberId, String>,
@@ -89,7 +98,7 @@ struct State {
     decisions: BTreeMap<u64, Decision>,
     evicted: Option<String>,
     /// Called when this member freezes its epoch: ends the epoch's operations at once.
-    on_freeze: Option<Box<dyn Fn(&str) + Send>>,
+    on_freeze: Option<Arc<dyn Fn(&str) + Send + Sync>>,
     closed: bool,
 }
 
@@ -208,7 +217,7 @@ impl Control {
         let (tx, rx) = crossbeam_channel::unbounded();
         let mut decisions = BTreeMap::new();
         if member {
-            decisions.insert(view.epoch, Decision { done: 0, forced: false });
+            decisions.insert(view.epoch, Decision { done: 0, forced: false, members: view.members.clone() });
         }
         let state = State {
             agree: Member::new(me, view),
@@ -216,6 +225,9 @@ impl Control {
             witness: role == Role::Witness,
             witness_dialed: None,
             links: HashMap::new(),
+            dialers: HashMap::new(),
+            isolated_dialed: None,
+            abort_pending: None,
             heard: HashMap::new(),
             said: HashMap::new(),
             suspects: BTreeMap::new(),
@@ -269,8 +281,23 @@ impl Control {
         self.state.lock().pending.len()
     }
 
-    pub fn set_on_freeze(&self, f: Option<Box<dyn Fn(&str) + Send>>) {
+    pub fn set_on_freeze(&self, f: Option<Arc<dyn Fn(&str) + Send + Sync>>) {
         self.state.lock().on_freeze = f;
+    }
+
+    /// Calls the freeze hook if the last event froze this epoch: outside the state lock, since
+    /// aborting a mesh may wait on its sockets (up to a second for a stopped peer).
+    fn run_deferred(&self) {
+        let (hook, why) = {
+            let mut st = self.state.lock();
+            match st.abort_pending.take() {
+                Some(why) => (st.on_freeze.clone(), why),
+                None => return,
+            }
+        };
+        if let Some(f) = hook {
+            f(&why);
+        }
     }
 
     /// Operation `seq` of `epoch` completed here; false if the epoch is frozen (then it does
@@ -293,7 +320,7 @@ impl Control {
 
     /// The decision of epoch `epoch` (about the operations of `epoch - 1`), once committed.
     pub fn decision(&self, epoch: u64) -> Option<Decision> {
-        self.state.lock().decisions.get(&epoch).copied()
+        self.state.lock().decisions.get(&epoch).cloned()
     }
 
     /// Whether the group has moved past `epoch`, or is moving (this member froze it).
@@ -471,21 +498,27 @@ impl Control {
         if link.send(&Ctl::Hello { id: self.me, group: self.cfg.group.clone(), contact: self.contact.clone(), epoch }).is_err() {
             return;
         }
-        let _ = self.events.send(Event::Linked { id, link, joiner });
+        let _ = self.events.send(Event::Linked { id, link, joiner, dialer: id });
     }
 
-    /// Dials member `id` at `contact` (this member has the higher id, so it dials).
-    fn dial(self: &Arc<Self>, id: MemberId, contact: String) {
+    /// Dials member `id` at `contact`. `suspect_if_not`: the link to it just closed; if it cannot
+    /// be reached again, it is suspected (a crash: refused at once), otherwise the new link
+    /// replaces the old one (a reset on a live member).
+    fn dial(self: &Arc<Self>, id: MemberId, contact: String, suspect_if_not: Option<String>) {
         let c = self.clone();
         let _ = std::thread::Builder::new().name("plait-ctl-dial".into()).spawn(move || {
             let epoch = c.state.lock().agree.view.epoch;
             let hello = Ctl::Hello { id: c.me, group: c.cfg.group.clone(), contact: c.contact.clone(), epoch };
             match c.connect(&contact, &hello) {
                 Ok((their, link)) if their == id => {
-                    let _ = c.events.send(Event::Linked { id, link, joiner: None });
+                    let _ = c.events.send(Event::Linked { id, link, joiner: None, dialer: c.me });
+                    return;
                 }
                 Ok((their, _)) => tracing::warn!("elastic: {contact} answered as member {their:x}, not {id:x}"),
                 Err(e) => tracing::info!("elastic: cannot reach member {id:x} at {contact}: {e}"),
+            }
+            if let Some(why) = suspect_if_not {
+                let _ = c.events.send(Event::Suspect { epoch, who: id, why });
             }
         });
     }
@@ -500,7 +533,7 @@ impl Control {
             st.agree.view.witness.clone()
         };
         if let Some(addr) = addr {
-            self.dial(WITNESS, addr);
+            self.dial(WITNESS, addr, None);
         }
     }
 
@@ -532,7 +565,7 @@ impl Control {
     fn dial_join(self: &Arc<Self>, peer: &str, port: u16) -> Result<()> {
         let join = Ctl::Join { id: self.me, group: self.cfg.group.clone(), port, dialed: peer.to_string() };
         let (id, link) = self.connect(peer, &join)?;
-        let _ = self.events.send(Event::Linked { id, link, joiner: None });
+        let _ = self.events.send(Event::Linked { id, link, joiner: None, dialer: self.me });
         Ok(())
     }
 
@@ -567,8 +600,10 @@ impl Control {
                 Err(crossbeam_channel::RecvTimeoutError::Timeout) => {}
                 Err(_) => return,
             }
+            self.run_deferred();
             if Instant::now() >= next_tick {
                 self.on_tick();
+                self.run_deferred();
                 next_tick = Instant::now() + tick;
             }
         }
@@ -580,10 +615,17 @@ impl Control {
             return;
         }
         match ev {
-            Event::Linked { id, link, joiner } => {
-                if let Some(old) = st.links.insert(id, link.clone()) {
+            Event::Linked { id, link, joiner, dialer } => {
+                let winner = id.max(self.me);
+                if let Some(old) = st.links.get(&id) {
+                    if st.dialers.get(&id) == Some(&winner) && dialer != winner {
+                        link.shutdown(); // the pair's other end keeps the older link too
+                        return;
+                    }
                     old.shutdown();
                 }
+                st.links.insert(id, link.clone());
+                st.dialers.insert(id, dialer);
                 let _ = link.set_timeouts(None, self.cfg.heartbeat_timeout);
                 let now = Instant::now();
                 st.heard.insert(id, now);
@@ -611,16 +653,29 @@ impl Control {
                 let c = self.clone();
                 let reader = std::thread::Builder::new().name("plait-ctl-read".into()).spawn(move || c.read_loop(id, link));
                 if let Ok(t) = reader {
-                    self.threads.lock().push(t);
+                    let mut threads = self.threads.lock();
+                    threads.retain(|t| !t.is_finished());
+                    threads.push(t);
                 }
             }
             Event::Down { id, link, why } => {
                 if st.links.get(&id).is_some_and(|l| Arc::ptr_eq(l, &link)) {
                     st.links.remove(&id);
-                    if st.agree.view.members.contains(&id) {
-                        st.suspects.entry(id).or_insert_with(|| format!("its control link closed: {why}"));
-                    } else {
-                        st.pending.remove(&id);
+                    st.dialers.remove(&id);
+                    if st.agree.view.members.contains(&id) && st.member {
+                        // A crashed member refuses the new connection at once (then it is
+                        // suspected); a live one whose link was reset is linked again.
+                        if let Some(contact) = st.agree.view.contacts.get(&id).cloned() {
+                            self.dial(id, contact, Some(format!("its control link closed ({why}) and it cannot be reached again")));
+                        } else {
+                            st.suspects.entry(id).or_insert_with(|| format!("its control link closed: {why}"));
+                        }
+                    } else if st.pending.remove(&id).is_some() {
+                        // A joiner that went away: nobody should admit it any more.
+                        let ids: Vec<MemberId> = st.links.keys().copied().collect();
+                        for m in ids {
+                            self.send(&mut st, m, Ctl::Withdrawn { id });
+                        }
                     }
                 }
             }
@@ -659,7 +714,9 @@ impl Control {
         match msg {
             Ctl::Heartbeat { epoch } => {
                 let mine = st.agree.view.epoch;
-                if st.member && epoch < mine && st.agree.view.votes(from) {
+                // Behind: a member that missed a commit, the witness, or a member that was left
+                // out and does not know it yet (it learns so from the view).
+                if st.member && epoch < mine && !st.pending.contains_key(&from) {
                     self.send(st, from, Ctl::Agree(Msg::Commit { view: st.agree.view.clone() }));
                 } else if epoch > mine && st.member {
                     self.send(st, from, Ctl::Agree(Msg::Behind { epoch: mine }));
@@ -671,10 +728,14 @@ impl Control {
                     st.suspects.entry(who).or_insert(format!("member {from:x} lost it: {why}"));
                 }
             }
-            Ctl::Leave { id } => {
-                if st.agree.view.members.contains(&id) {
-                    st.leaving.insert(id);
+            Ctl::Leave { .. } => {
+                // The sender leaves (never another member on its word).
+                if st.agree.view.members.contains(&from) {
+                    st.leaving.insert(from);
                 }
+            }
+            Ctl::Withdrawn { id } => {
+                st.pending.remove(&id);
             }
             Ctl::Pending { id, contact } => {
                 if !st.agree.view.members.contains(&id) {
@@ -683,7 +744,8 @@ impl Control {
                 }
             }
             Ctl::Kv { epoch, key, value } => {
-                if epoch >= st.agree.view.epoch {
+                // This epoch's records, or the next one's (a member that committed it first).
+                if epoch >= st.agree.view.epoch && epoch <= st.agree.view.epoch + 1 {
                     st.kv.insert(key, (epoch, value));
                     self.changed.notify_all();
                 }
@@ -727,9 +789,7 @@ impl Control {
         }
         st.frozen = true;
         st.agree.last_done = st.last_done;
-        if let Some(f) = &st.on_freeze {
-            f(why);
-        }
+        st.abort_pending = Some(why.to_string());
         self.changed.notify_all();
     }
 
@@ -754,9 +814,7 @@ impl Control {
                     "epoch {} was agreed without it (it was cut off or silent for longer than the heartbeat timeout); join again",
                     view.epoch
                 ));
-                if let Some(f) = &st.on_freeze {
-                    f("this member was evicted");
-                }
+                st.abort_pending = Some("this member was evicted".into());
             }
             self.changed.notify_all();
             return;
@@ -770,21 +828,33 @@ impl Control {
         st.wanted = None;
         st.proposed_at = None;
         st.trouble_since = None;
-        st.decisions.insert(view.epoch, Decision { done: view.done, forced: view.forced });
-        while st.decisions.len() > 64 {
+        st.decisions.insert(view.epoch, Decision { done: view.done, forced: view.forced, members: view.members.clone() });
+        // A member's operations lag the group's views by a few epochs at most; thousands is
+        // far past that and still a few hundred kilobytes.
+        while st.decisions.len() > 4096 {
             st.decisions.pop_first();
         }
         st.pending.retain(|id, _| !view.members.contains(id));
         st.leaving.retain(|id| view.members.contains(id));
         st.kv.retain(|_, (e, _)| *e >= view.epoch);
-        let keep: BTreeSet<MemberId> = view.members.iter().chain(st.pending.keys()).copied().collect();
+        let mut keep: BTreeSet<MemberId> = view.members.iter().chain(st.pending.keys()).copied().collect();
+        if view.witness.is_some() {
+            keep.insert(WITNESS);
+        }
+        let commit = Ctl::Agree(Msg::Commit { view: view.clone() });
         st.links.retain(|id, l| {
             let kept = keep.contains(id);
             if !kept {
+                // A member left out learns so before its link closes (`EvictedError`).
+                let _ = l.send(&commit);
                 l.shutdown();
             }
             kept
         });
+        let State { links, dialers, heard, said, .. } = &mut *st;
+        dialers.retain(|id, _| links.contains_key(id));
+        heard.retain(|id, _| keep.contains(id));
+        said.retain(|id, _| links.contains_key(id));
         let now = Instant::now();
         // A joiner linked to this member learns at once that it is in (it has no other way).
         let joined: Vec<MemberId> = view.members.iter().copied().filter(|m| *m != self.me && st.links.contains_key(m)).collect();
@@ -795,7 +865,7 @@ impl Control {
             st.heard.insert(m, now);
             if m != self.me && !st.links.contains_key(&m) && self.me > m {
                 if let Some(contact) = view.contacts.get(&m) {
-                    self.dial(m, contact.clone());
+                    self.dial(m, contact.clone(), None);
                 }
             }
         }
@@ -839,6 +909,17 @@ impl Control {
                 if silent >= hb {
                     st.suspects.entry(m).or_insert_with(|| format!("silent for {silent:.2?} (heartbeat timeout {hb:.2?})"));
                 }
+            }
+        }
+        let others: Vec<(MemberId, String)> =
+            st.agree.view.members.iter().filter(|m| **m != self.me).filter_map(|m| st.agree.view.contacts.get(m).map(|c| (*m, c.clone()))).collect();
+        let isolated = st.member && st.evicted.is_none() && !others.is_empty() && others.iter().all(|(m, _)| !st.links.contains_key(m));
+        if isolated && st.isolated_dialed.is_none_or(|t| now - t >= hb) {
+            // No link left: this member may have been left out without hearing it; whoever
+            // answers tells it the view.
+            st.isolated_dialed = Some(now);
+            for (m, c) in others {
+                self.dial(m, c, None);
             }
         }
         if st.member && st.agree.view.witness.is_some() && !st.links.contains_key(&WITNESS)

@@ -36,13 +36,16 @@ pub(crate) enum Ctl {
     Join { id: MemberId, group: String, port: u16, dialed: String },
     /// A joiner waits to be admitted; told to every member, so a new leader knows it too.
     Pending { id: MemberId, contact: String },
+    /// That joiner went away before it was admitted.
+    Withdrawn { id: MemberId },
     /// The view agreement.
     Agree(Msg),
     /// The sender lost `who` in `epoch` (`why` says how); sent to the leader.
     Suspect { epoch: u64, who: MemberId, why: String },
     /// A bootstrap record of `epoch` (the store of that epoch's mesh), sent to every member.
     Kv { epoch: u64, key: String, value: Vec<u8> },
-    /// The sender leaves the group: it still votes until a view without it is agreed.
+    /// The sender leaves the group: it still votes until a view without it is agreed (`id` is
+    /// informative: the receiver takes the link's member).
     Leave { id: MemberId },
     /// "I am alive, at `epoch`"; on idle links.
     Heartbeat { epoch: u64 },

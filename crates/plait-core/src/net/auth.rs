@@ -88,6 +88,8 @@ pub struct LinkAuth {
     encrypt: bool,
     peers: Mutex<Peers>,
     peers_known: Condvar,
+    /// Start-up was called off: connects stop retrying.
+    cancelled: std::sync::atomic::AtomicBool,
 }
 
 #[derive(Clone)]
@@ -107,7 +109,7 @@ impl LinkAuth {
             .map_err(|e| PlaitError::Io(format!("cannot generate this rank's link key: {e}")))?;
         let public = kp.public.as_slice().try_into().expect("a 32-byte X25519 key");
         let psk = token.map(|t| token_key(b"plait token v1\n", t));
-        Ok(LinkAuth { private: kp.private, public, psk, encrypt, peers: Mutex::new(Peers::Unknown), peers_known: Condvar::new() })
+        Ok(LinkAuth { private: kp.private, public, psk, encrypt, peers: Mutex::new(Peers::Unknown), peers_known: Condvar::new(), cancelled: Default::default() })
     }
 
     pub fn public_key(&self) -> PublicKey {
@@ -131,6 +133,16 @@ impl LinkAuth {
             *peers = Peers::NeverKnown;
         }
         self.peers_known.notify_all();
+    }
+
+    /// Calls start-up off: connects stop retrying, handshakes stop waiting for keys.
+    pub fn cancel(&self) {
+        self.cancelled.store(true, std::sync::atomic::Ordering::SeqCst);
+        self.stop_waiting();
+    }
+
+    pub fn cancelled(&self) -> bool {
+        self.cancelled.load(std::sync::atomic::Ordering::SeqCst)
     }
 
     /// The key `rank` published, waiting until the rendezvous has read it (by `deadline`).

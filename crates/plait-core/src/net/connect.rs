@@ -49,6 +49,9 @@ pub fn connect(route: &Route, port: u16, hello: &Hello, auth: &LinkAuth, deadlin
     let mut backoff = Duration::from_millis(10);
     let mut last = String::from("no attempt made before the deadline");
     loop {
+        if auth.cancelled() {
+            return Err(PlaitError::Aborted { op: "connect".into(), reason: format!("start-up was called off while connecting to rank {}", hello.to) });
+        }
         let left = deadline.saturating_duration_since(Instant::now());
         if left.is_zero() {
             return Err(PlaitError::Timeout {
