@@ -109,11 +109,18 @@ def abort(ctx):
         except plait.PlaitError as e:
             _error(ctx, "abort A: late rank", e, t0)
     else:
-        works = [comm.allreduce(x, out=out, async_op=True),
-                 comm.allgather(np.full(2**18, me, np.int32), out=g_out, async_op=True)]
         if me == 0:
             _abort_later(ctx, comm, 0.5, "abort A")
-        for w, name in zip(works, ("allreduce", "allgather")):
+        # A rank slow to start (a loaded machine) may issue its calls after rank 0's abort has
+        # reached it: then issuing them fails, which is the same outcome.
+        works = []
+        for name, start in (("allreduce", lambda: comm.allreduce(x, out=out, async_op=True)),
+                            ("allgather", lambda: comm.allgather(np.full(2**18, me, np.int32), out=g_out, async_op=True))):
+            try:
+                works.append((start(), name))
+            except plait.PlaitError as e:
+                _error(ctx, f"abort A: {name}", e, t0)
+        for w, name in works:
             try:
                 w.wait(60)
                 ctx.fail(f"abort A: {name}", "completed although rank 0 aborted")

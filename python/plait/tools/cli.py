@@ -41,8 +41,13 @@ def _testbed_parsers(sub):
     churn.add_argument("--every", type=float, default=1.5, help="seconds between actions (default 1.5)")
     churn.add_argument("--heartbeat-timeout", type=float, default=0.5,
                        help="the members' PLAIT_HEARTBEAT_TIMEOUT (default 0.5)")
-    churn.add_argument("--actions", default="kill,stop,kill-leader",
-                       help="comma-separated, among kill, stop, kill-leader (default: all)")
+    churn.add_argument("--actions", default=None,
+                       help="comma-separated, among kill, stop, kill-leader, partition (default: all but partition; "
+                       "with --netns, all)")
+    churn.add_argument("--netns", action="store_true",
+                       help="each member in its own network namespace of a testbed (root), so that the network between "
+                       "two halves of the group can be cut (the partition action)")
+    churn.add_argument("--partition-seconds", type=float, default=3.0, help="how long a partition lasts (default 3)")
     churn.add_argument("--seed", type=int, default=0)
     add_json_option(churn)
     status = tsub.add_parser("status", help="list the testbeds that are up and their addresses")
@@ -194,22 +199,27 @@ def _churn(args, console):
     if args.members < 3:
         console.print("[red]plait testbed churn: --members must be at least 3 (a majority must survive a loss)")
         return 2
-    kinds = tuple(k.strip() for k in args.actions.split(",") if k.strip())
-    bad = [k for k in kinds if k not in ("kill", "stop", "kill-leader")]
+    actions = args.actions or ("kill,stop,kill-leader,partition" if args.netns else "kill,stop,kill-leader")
+    kinds = tuple(k.strip() for k in actions.split(",") if k.strip())
+    bad = [k for k in kinds if k not in ("kill", "stop", "kill-leader", "partition")]
     if bad or not kinds:
-        console.print(f"[red]plait testbed churn: unknown action(s) {bad}: use kill, stop, kill-leader")
+        console.print(f"[red]plait testbed churn: unknown action(s) {bad}: use kill, stop, kill-leader, partition")
+        return 2
+    if "partition" in kinds and not args.netns:
+        console.print("[red]plait testbed churn: a partition needs --netns (each member in its own namespace)")
         return 2
     seconds = args.minutes * 60 if args.minutes else args.seconds
     _sigterm_as_exit()
     report = run_churn(members=args.members, seconds=seconds, every=args.every, hb=args.heartbeat_timeout,
-                       kinds=kinds, seed=args.seed, progress=None if to_stdout(args.json) else console.print)
+                       kinds=kinds, seed=args.seed, progress=None if to_stdout(args.json) else console.print,
+                       netns=args.netns, partition_seconds=args.partition_seconds)
     d = report.as_dict()
     if args.json:
         write_json(args.json, d)
     if not to_stdout(args.json):
         console.print(f"{seconds:.0f} s, {args.members} members: {report.committed} operations committed, "
                       f"{report.failed} failed (PeerLost), {report.wrong} wrong; {report.kills} kills, "
-                      f"{report.stops} stops, {report.joins} joins, {report.epochs} epochs")
+                      f"{report.stops} stops, {report.partitions} partitions, {report.joins} joins, {report.epochs} epochs")
         for kind in sorted(report.recovery_ms):
             console.print(f"  {kind}: to the next committed operation p50 {report.percentile(kind, 50):.0f} ms, "
                           f"p99 {report.percentile(kind, 99):.0f} ms ({len(report.recovery_ms[kind])} events)")

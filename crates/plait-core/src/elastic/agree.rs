@@ -138,6 +138,14 @@ impl Member {
         self.view.voters().map(|m| (m, Msg::Prepare { epoch, ballot })).collect()
     }
 
+    /// Waits for `id`'s promise too before choosing (a member suspected when the proposal
+    /// started, heard from again).
+    pub fn expect(&mut self, id: MemberId) {
+        if let Some(p) = self.proposal.as_mut().filter(|p| p.value.is_none()) {
+            p.expect.insert(id);
+        }
+    }
+
     /// Whether this member drives a proposal that has not chosen its value yet.
     pub fn proposing(&self) -> bool {
         self.proposal.as_ref().is_some_and(|p| p.value.is_none())

@@ -72,8 +72,8 @@ struct State {
     links: HashMap<MemberId, Arc<CtlLink>>,
     /// Which end dialled each link.
     dialers: HashMap<MemberId, MemberId>,
-    /// When this member last dialled every member because it had no link left.
-    isolated_dialed: Option<Instant>,
+    /// When this member last dialled each member it had no link to.
+    dialed_at: HashMap<MemberId, Instant>,
     /// The freeze hook to call once the state lock is released (`run_deferred`).
     abort_pending: Option<String>,
     heard: HashMap<MemberId, Instant>,
@@ -226,7 +226,7 @@ impl Control {
             witness_dialed: None,
             links: HashMap::new(),
             dialers: HashMap::new(),
-            isolated_dialed: None,
+            dialed_at: HashMap::new(),
             abort_pending: None,
             heard: HashMap::new(),
             said: HashMap::new(),
@@ -494,7 +494,15 @@ impl Control {
             }
             _ => return,
         };
-        let epoch = self.state.lock().agree.view.epoch;
+        let (epoch, member) = {
+            let st = self.state.lock();
+            (st.agree.view.epoch, st.member && st.evicted.is_none() && !st.closed)
+        };
+        if joiner.is_some() && !member {
+            // Left out, leaving, or not admitted itself: the joiner must ask another member.
+            let _ = link.send(&Ctl::NotMember);
+            return;
+        }
         if link.send(&Ctl::Hello { id: self.me, group: self.cfg.group.clone(), contact: self.contact.clone(), epoch }).is_err() {
             return;
         }
@@ -558,6 +566,7 @@ impl Control {
         match link.recv().map_err(failed)? {
             Ctl::Hello { id, .. } => Ok((id, Arc::new(link))),
             Ctl::Refused { why } => Err(PlaitError::Config(format!("{contact} refused this process: {why}"))),
+            Ctl::NotMember => Err(PlaitError::Rendezvous(format!("{contact} is no longer a member of the group"))),
             other => Err(PlaitError::Rendezvous(format!("{contact} answered {other:?}"))),
         }
     }
@@ -681,6 +690,12 @@ impl Control {
             }
             Event::Message(from, msg) => {
                 st.heard.insert(from, Instant::now());
+                if st.suspects.remove(&from).is_some() {
+                    // Alive after all (a healed partition, a slow moment): a proposal under way
+                    // waits for it too, rather than leave it out.
+                    st.told.remove(&from);
+                    st.agree.expect(from);
+                }
                 self.on_message(&mut st, from, msg);
             }
             Event::Suspect { epoch, who, why } => {
@@ -750,7 +765,7 @@ impl Control {
                     self.changed.notify_all();
                 }
             }
-            Ctl::Hello { .. } | Ctl::Join { .. } | Ctl::Refused { .. } => {}
+            Ctl::Hello { .. } | Ctl::Join { .. } | Ctl::Refused { .. } | Ctl::NotMember => {}
         }
     }
 
@@ -851,8 +866,9 @@ impl Control {
             }
             kept
         });
-        let State { links, dialers, heard, said, .. } = &mut *st;
+        let State { links, dialers, heard, said, dialed_at, .. } = &mut *st;
         dialers.retain(|id, _| links.contains_key(id));
+        dialed_at.retain(|id, _| keep.contains(id));
         heard.retain(|id, _| keep.contains(id));
         said.retain(|id, _| links.contains_key(id));
         let now = Instant::now();
@@ -908,18 +924,35 @@ impl Control {
                 let silent = st.heard.get(&m).map(|t| now - *t).unwrap_or(hb);
                 if silent >= hb {
                     st.suspects.entry(m).or_insert_with(|| format!("silent for {silent:.2?} (heartbeat timeout {hb:.2?})"));
+                    // Its connection may be stuck in TCP's retransmission backoff (a cut cable):
+                    // a fresh one gets through as soon as the path does. The larger id dials.
+                    if self.me > m && st.dialed_at.get(&m).is_none_or(|t| now - *t >= hb) {
+                        if let Some(contact) = st.agree.view.contacts.get(&m).cloned() {
+                            st.dialed_at.insert(m, now);
+                            self.dial(m, contact, None);
+                        }
+                    }
                 }
             }
         }
-        let others: Vec<(MemberId, String)> =
-            st.agree.view.members.iter().filter(|m| **m != self.me).filter_map(|m| st.agree.view.contacts.get(m).map(|c| (*m, c.clone()))).collect();
-        let isolated = st.member && st.evicted.is_none() && !others.is_empty() && others.iter().all(|(m, _)| !st.links.contains_key(m));
-        if isolated && st.isolated_dialed.is_none_or(|t| now - t >= hb) {
-            // No link left: this member may have been left out without hearing it; whoever
-            // answers tells it the view.
-            st.isolated_dialed = Some(now);
-            for (m, c) in others {
-                self.dial(m, c, None);
+        // A member of the view without a link is dialled again (once per heartbeat timeout): a
+        // link lost to a reset or a healed partition comes back, and a member left out without
+        // hearing it (its side of a partition had no majority) is told the view by whoever
+        // answers, so it learns it was evicted.
+        if st.member && st.evicted.is_none() {
+            let unlinked: Vec<(MemberId, String)> = st
+                .agree
+                .view
+                .members
+                .iter()
+                .filter(|m| **m != self.me && !st.links.contains_key(m))
+                .filter_map(|m| st.agree.view.contacts.get(m).map(|c| (*m, c.clone())))
+                .collect();
+            for (m, contact) in unlinked {
+                if st.dialed_at.get(&m).is_none_or(|t| now - *t >= hb) {
+                    st.dialed_at.insert(m, now);
+                    self.dial(m, contact, None);
+                }
             }
         }
         if st.member && st.agree.view.witness.is_some() && !st.links.contains_key(&WITNESS)

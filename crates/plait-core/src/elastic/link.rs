@@ -51,6 +51,8 @@ pub(crate) enum Ctl {
     Heartbeat { epoch: u64 },
     /// The answer to a hello or join that is refused.
     Refused { why: String },
+    /// The answer of a process that is not a member (any more) to a joiner: ask another.
+    NotMember,
 }
 
 struct Sealing {

@@ -1,5 +1,7 @@
 """`plait testbed churn`: elastic members on this machine run allreduces on deterministic inputs
-while a chaos driver kills (-9), stops (SIGSTOP, then SIGCONT) or starts members.
+while a chaos driver kills (-9), stops (SIGSTOP, then SIGCONT) or starts members, and, with
+`--netns` (each member in its own network namespace of a testbed), cuts the network between two
+halves of the group for a while (a partition).
 
 Every member checks every result it returns against the sum of the inputs of the members of the
 view it ran in (an input is a function of the member, the epoch and the operation's index in it),
@@ -33,13 +35,13 @@ def _inputs(member: str, epoch: int, index: int):
 
 
 def member_main(argv: List[str]) -> int:
-    """One member: `python -m plait.tools.testbed.churn member LOG STOPFILE HB [PEER...]`."""
+    """One member: `python -m plait.tools.testbed.churn member LOG STOPFILE HB LISTEN [PEER...]`."""
     import numpy as np
 
     import plait
     import plait.elastic
 
-    log_path, stop_file, hb, peers = argv[0], argv[1], float(argv[2]), argv[3:]
+    log_path, stop_file, hb, listen, peers = argv[0], argv[1], float(argv[2]), argv[3], argv[4:]
     log = open(log_path, "a", buffering=1)
 
     def emit(**event):
@@ -48,7 +50,7 @@ def member_main(argv: List[str]) -> int:
 
     emit(event="joining")
     try:
-        comm = plait.elastic.join(peers, listen="127.0.0.1:0", heartbeat_timeout=hb, timeout=max(30.0, 10 * hb))
+        comm = plait.elastic.join(peers, listen=listen, heartbeat_timeout=hb, timeout=max(30.0, 10 * hb))
     except plait.PlaitError as e:
         emit(event="join_failed", error=str(e))
         return 1
@@ -88,6 +90,7 @@ def member_main(argv: List[str]) -> int:
 class Member:
     proc: subprocess.Popen
     log: Path
+    slot: Optional[int] = None  # its network namespace, with --netns
     contact: Optional[str] = None
     id: Optional[str] = None
     stopped_until: Optional[float] = None
@@ -103,6 +106,7 @@ class ChurnReport:
     errors: List[str] = field(default_factory=list)
     kills: int = 0
     stops: int = 0
+    partitions: int = 0
     joins: int = 0
     recovery_ms: Dict[str, List[float]] = field(default_factory=dict)
     #: From a joiner's first call of join() to its admission (the members call update() before
@@ -130,10 +134,13 @@ class ChurnReport:
 
 
 class Churn:
-    def __init__(self, members: int, hb: float, workdir: Path):
+    def __init__(self, members: int, hb: float, workdir: Path, testbed=None):
         self.n = members
         self.hb = hb
         self.dir = workdir
+        self.testbed = testbed
+        self.free_slots = list(range(members)) if testbed else []
+        self.cut: Optional[tuple] = None  # (side A slots, side B slots, heal time)
         self.stop_file = workdir / "stop"
         self.members: List[Member] = []
         self.gone: List[Member] = []
@@ -141,13 +148,20 @@ class Churn:
         self.count = 0
 
     def _spawn(self, peers: List[str]) -> Member:
+        from . import node_addr
+
         self.count += 1
         log = self.dir / f"member{self.count}.jsonl"
         env = dict(os.environ)
         env.setdefault("PYTHONUNBUFFERED", "1")
-        cmd = [sys.executable, "-m", "plait.tools.testbed.churn", "member", str(log), str(self.stop_file), str(self.hb), *peers]
+        slot = self.free_slots.pop(0) if self.testbed else None
+        listen = f"{node_addr(slot)}:0" if self.testbed else "127.0.0.1:0"
+        cmd = [sys.executable, "-m", "plait.tools.testbed.churn", "member", str(log), str(self.stop_file), str(self.hb),
+               listen, *peers]
+        if self.testbed:
+            cmd = self.testbed.wrap(slot, cmd)
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=open(self.dir / f"member{self.count}.err", "w"))
-        m = Member(proc, log)
+        m = Member(proc, log, slot)
         self.members.append(m)
         return m
 
@@ -166,7 +180,59 @@ class Churn:
         return False
 
     def contacts(self) -> List[str]:
-        return [m.contact for m in self.members if m.contact and m.stopped_until is None and m.proc.poll() is None]
+        cut_off = set(self.cut[1]) if self.cut else set()
+        return [m.contact for m in self.members
+                if m.contact and m.stopped_until is None and m.proc.poll() is None and m.slot not in cut_off]
+
+    def _release(self, m: Member):
+        self.members.remove(m)
+        self.gone.append(m)
+        if m.slot is not None:
+            self.free_slots.append(m.slot)
+
+    def reap(self):
+        """Members that ended (left out by a partition, say) make room for joiners."""
+        for m in list(self.members):
+            if m.proc.poll() is not None and m.stopped_until is None:
+                self._release(m)
+
+    def partition(self, rng, seconds: float):
+        """Cuts every cable between a random half of the namespaces and the rest, and the LAN
+        ports of that half, for `seconds`."""
+        from . import _run
+
+        slots = list(range(self.n))
+        rng.shuffle(slots)
+        b, a = sorted(slots[: self.n // 2]), sorted(slots[self.n // 2:])
+        self.actions.append((time.time(), "partition", None))
+        self._set_cut(a, b, up=False)
+        self.cut = (a, b, time.time() + seconds)
+
+    def heal_due(self):
+        if self.cut and time.time() >= self.cut[2]:
+            a, b, _ = self.cut
+            self._set_cut(a, b, up=True)
+            self.actions.append((time.time(), "heal", None))
+            self.cut = None
+
+    def _set_cut(self, a, b, up):
+        from . import _run
+
+        from . import cable_addr, cable_iface, node_addr
+
+        tb = self.testbed
+        for i in a:
+            for j in b:
+                if j in tb.peers(i):
+                    tb.set_cable(i, j, up)
+                    tb.set_cable(j, i, up)
+                    if up and tb.node_addrs:
+                        # A cable taken down loses the host routes through it.
+                        for x, y in ((i, j), (j, i)):
+                            _run(["ip", "-n", tb.ns(x), "route", "replace", f"{node_addr(y)}/32", "via", cable_addr(y, x),
+                                  "dev", cable_iface(x, y), "src", node_addr(x)])
+        for j in b:
+            _run(["ip", "-n", tb.lan_ns, "link", "set", f"port{j}", "up" if up else "down"])
 
     def start(self):
         self.stop_file.unlink(missing_ok=True)
@@ -200,8 +266,7 @@ class Churn:
         self.actions.append((time.time(), label, m.id))
         m.proc.send_signal(signal.SIGKILL)
         m.proc.wait()
-        self.members.remove(m)
-        self.gone.append(m)
+        self._release(m)
 
     def stop(self, m: Member, seconds: float):
         self.actions.append((time.time(), "stop", m.id))
@@ -215,10 +280,12 @@ class Churn:
                 m.proc.send_signal(signal.SIGCONT)
                 m.stopped_until = None
                 # It was left out: it learns so and exits; a new member takes its place.
-                self.members.remove(m)
-                self.gone.append(m)
+                self._release(m)
 
     def finish(self, grace: float = 20.0):
+        if self.cut:
+            self._set_cut(self.cut[0], self.cut[1], up=True)
+            self.cut = None
         self.stop_file.touch()
         for m in self.members:
             if m.stopped_until is not None:
@@ -264,6 +331,7 @@ class Churn:
                 continue
             r.kills += kind in ("kill", "kill-leader")
             r.stops += kind == "stop"
+            r.partitions += kind == "partition"
             after = [x for x in times if x > t]
             # The next operation committed in a later epoch than the last one before the action.
             before_epochs = [k[0] for k, v in done.items() if v <= t]
@@ -293,22 +361,36 @@ def _events(path: Path):
 
 def run_churn(members: int = 4, seconds: float = 30.0, every: float = 1.5, hb: float = 0.5,
               kinds=("kill", "stop", "kill-leader"), seed: int = 0, workdir: Optional[Path] = None,
-              progress=None) -> ChurnReport:
+              progress=None, netns: bool = False, partition_seconds: float = 3.0) -> ChurnReport:
     """Runs the chaos for `seconds`: every `every` seconds one action among `kinds` on a random
-    live member (the most senior one for "kill-leader"); a member killed or stopped is replaced
-    by a joiner, so the group keeps `members` members."""
+    live member (the most senior one for "kill-leader"; "partition" cuts the network between two
+    halves for `partition_seconds`, with `netns`); a member killed, stopped or left out is
+    replaced by a joiner, so the group keeps `members` members."""
+    if netns:
+        from . import Testbed
+
+        with Testbed(members, link_rate="none", lan_rate="none", name="plaitchurn", node_addrs=True) as tb:
+            return _run_churn(members, seconds, every, hb, kinds, seed, workdir, progress, tb, partition_seconds)
+    if "partition" in kinds:
+        raise ValueError("a partition needs --netns (each member in its own network namespace)")
+    return _run_churn(members, seconds, every, hb, kinds, seed, workdir, progress, None, partition_seconds)
+
+
+def _run_churn(members, seconds, every, hb, kinds, seed, workdir, progress, testbed, partition_seconds):
     rng = random.Random(seed)
     own_dir = workdir is None
     workdir = Path(tempfile.mkdtemp(prefix="plait-churn-")) if own_dir else workdir
-    churn = Churn(members, hb, workdir)
+    churn = Churn(members, hb, workdir, testbed)
     churn.start()
     start = time.time()
     next_action = start + every
     try:
         while time.time() - start < seconds:
             churn.resume_due()
+            churn.heal_due()
+            churn.reap()
             now = time.time()
-            if now >= next_action:
+            if now >= next_action and churn.cut is None:
                 live = churn.live()
                 if len(live) >= 3:  # a majority must survive every single loss
                     kind = rng.choice(kinds)
@@ -316,13 +398,16 @@ def run_churn(members: int = 4, seconds: float = 30.0, every: float = 1.5, hb: f
                         churn.kill(live[0], "kill-leader")
                     elif kind == "kill":
                         churn.kill(rng.choice(live))
+                    elif kind == "partition":
+                        churn.partition(rng, partition_seconds)
                     else:
                         churn.stop(rng.choice(live), 2 * hb + 0.5)
                     if progress:
                         progress(f"{now - start:6.1f}s {kind}")
+                next_action = now + every
+            if churn.cut is None:
                 while churn.running() < members:
                     churn.join(wait=False)
-                next_action = now + every
             time.sleep(0.01)
     finally:
         churn.finish()
@@ -332,4 +417,4 @@ def run_churn(members: int = 4, seconds: float = 30.0, every: float = 1.5, hb: f
 if __name__ == "__main__":
     if sys.argv[1:2] == ["member"]:
         sys.exit(member_main(sys.argv[2:]))
-    sys.exit("usage: python -m plait.tools.testbed.churn member LOG STOPFILE HB [PEER...]")
+    sys.exit("usage: python -m plait.tools.testbed.churn member LOG STOPFILE HB LISTEN [PEER...]")
