@@ -4,7 +4,7 @@
 //!
 //! `cargo run --release -p plait-core --example unmatched -- 0 50000 400000`
 
-use plait_core::{CollRequest, Collective, CommConfig, Communicator, DType, MemStore, RawBuf, ReduceOp};
+use plait_core::{CollRequest, CommConfig, Communicator, DType, MemStore, RawBuf, ReduceOp};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -41,19 +41,7 @@ fn run(rank: usize, unreceived: usize, epoch: u64, store: &MemStore) -> Duration
     let mut times = Vec::with_capacity(ITERS);
     for _ in 0..ITERS {
         let buf = RawBuf { ptr: x.as_mut_ptr() as *mut u8, len: 4 };
-        let req = CollRequest {
-            coll: Collective::AllReduce,
-            dtype: DType::F32,
-            op: ReduceOp::Max,
-            root: 0,
-            input: buf,
-            output: buf,
-            send_counts: None,
-            recv_counts: None,
-            timeout: None,
-            algo: None,
-            wire: None,
-        };
+        let req = CollRequest::allreduce(buf, DType::F32, ReduceOp::Max);
         let t0 = Instant::now();
         // SAFETY: `x` outlives the call, which is waited for at once.
         unsafe { comm.collective(req, true) }.unwrap().wait(None).unwrap().unwrap();

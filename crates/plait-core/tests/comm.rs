@@ -160,19 +160,7 @@ fn wire_compression_refuses_what_it_cannot_do() {
     let results = world(2, 0, |comm| {
         let mut v = vec![0i32; 8];
         let buf = RawBuf { ptr: v.as_mut_ptr() as *mut u8, len: 32 };
-        let req = CollRequest {
-            coll: Collective::AllReduce,
-            dtype: DType::I32,
-            op: ReduceOp::Sum,
-            root: 0,
-            input: buf,
-            output: buf,
-            send_counts: None,
-            recv_counts: None,
-            timeout: None,
-            algo: None,
-            wire: Some(Wire::Bf16),
-        };
+        let req = CollRequest { wire: Some(Wire::Bf16), ..CollRequest::allreduce(buf, DType::I32, ReduceOp::Sum) };
         matches!(unsafe { comm.collective(req, true) }, Err(PlaitError::InvalidArgument(_)))
     });
     assert!(results.iter().all(|ok| *ok));

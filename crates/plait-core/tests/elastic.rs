@@ -2,7 +2,7 @@
 //! update points, lose a member mid-loop and go on; every result that a member returns is checked
 //! against the sum over the members that took part.
 
-use plait_core::{CollRequest, Collective, CommConfig, DType, ElasticComm, ElasticConfig, PlaitError, RawBuf, ReduceOp, Token};
+use plait_core::{CollRequest, CommConfig, DType, ElasticComm, ElasticConfig, PlaitError, RawBuf, ReduceOp, Token};
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
@@ -17,19 +17,7 @@ fn config(group: &str, peers: Vec<String>) -> ElasticConfig {
 
 fn allreduce(c: &ElasticComm, data: &mut [f64]) -> Result<(), PlaitError> {
     let buf = RawBuf { ptr: data.as_mut_ptr() as *mut u8, len: std::mem::size_of_val(data) };
-    let req = CollRequest {
-        coll: Collective::AllReduce,
-        dtype: DType::F64,
-        op: ReduceOp::Sum,
-        root: 0,
-        input: buf,
-        output: buf,
-        send_counts: None,
-        recv_counts: None,
-        timeout: None,
-        algo: None,
-        wire: None,
-    };
+    let req = CollRequest::allreduce(buf, DType::F64, ReduceOp::Sum);
     // SAFETY: `data` outlives the call and nothing else touches it.
     unsafe { c.collective(req) }
 }

@@ -18,7 +18,6 @@ use crate::dtype::{DType, ReduceOp};
 use crate::error::{PlaitError, Result};
 use crate::exec::CollRequest;
 use crate::raw::{bytes, bytes_mut, RawBuf};
-use crate::sched::Collective;
 use crate::store::Store;
 use parking_lot::Mutex;
 use std::sync::Arc;
@@ -191,20 +190,7 @@ impl ElasticComm {
         // entry (a joiner that went away) must not turn every update into a view change.
         let leads = self.control.view().members.first() == Some(&self.control.me);
         let mut waiting = (if leads { self.control.pending() as i64 } else { 0 }).to_ne_bytes();
-        let buf = RawBuf::of(&mut waiting[..]);
-        let req = CollRequest {
-            coll: Collective::AllReduce,
-            dtype: DType::I64,
-            op: ReduceOp::Sum,
-            root: 0,
-            input: buf,
-            output: buf,
-            send_counts: None,
-            recv_counts: None,
-            timeout: None,
-            algo: None,
-            wire: None,
-        };
+        let req = CollRequest::allreduce(RawBuf::of(&mut waiting[..]), DType::I64, ReduceOp::Sum);
         // SAFETY: `waiting` lives on this frame until the call returns.
         match unsafe { self.collective(req) } {
             Ok(()) => {}

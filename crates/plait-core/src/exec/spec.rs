@@ -29,6 +29,26 @@ pub struct CollRequest {
     pub wire: Option<Wire>,
 }
 
+impl CollRequest {
+    /// An in-place allreduce of `buf` (the request most callers make), with every option at its
+    /// default; set the fields for the rest.
+    pub fn allreduce(buf: RawBuf, dtype: DType, op: ReduceOp) -> CollRequest {
+        CollRequest {
+            coll: Collective::AllReduce,
+            dtype,
+            op,
+            root: 0,
+            input: buf,
+            output: buf,
+            send_counts: None,
+            recv_counts: None,
+            timeout: None,
+            algo: None,
+            wire: None,
+        }
+    }
+}
+
 /// Compression needs each contribution encoded once and each owner's result encoded once and
 /// forwarded unchanged: the direct algorithm does exactly that.
 const WIRE_ALGO: &str = "direct";

@@ -288,6 +288,30 @@ impl PeerLink {
         }
     }
 
+    /// The graceful end of a link: waits (until `deadline`) for queued frames to be written, ends
+    /// this side's writing (the peer reads everything sent, then the end of the stream), and lets
+    /// the receivers read on until the peer closes too. A socket closed with bytes unread is
+    /// reset, and a reset destroys what the peer had not read yet: data a late peer left in its
+    /// socket (flow control parks it there) would be lost. Returns once every lane's receiver has
+    /// seen the end, or at `deadline`.
+    pub fn linger(&self, deadline: Instant) {
+        for lane in &self.lanes {
+            while !(lane.queue.is_empty() && lane.urgent.is_empty()) && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            // Not in the middle of a frame: the writer is held while the side closes.
+            let _w = lane.writer.lock();
+            let _ = lane.stream.shutdown(Shutdown::Write);
+        }
+        while Instant::now() < deadline {
+            let receiving = self.threads.lock().iter().any(|t| !t.is_finished() && t.thread().name().is_some_and(|n| n.starts_with("plait-recv")));
+            if !receiving {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    }
+
     /// Ends both directions now: blocked reads and writes return at once.
     pub fn shutdown(&self) {
         self.deaf.store(true, Ordering::SeqCst);

@@ -34,6 +34,9 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+/// How long a closing communicator waits for its peers to read what it sent and close too.
+const LINGER: Duration = Duration::from_millis(500);
+
 /// Completion of one transfer, reported to the operation that started it.
 pub(crate) struct Event {
     pub token: u32,
@@ -293,6 +296,14 @@ impl Session {
             return err;
         }
         self.groups.fail_all(&err);
+        if closing && reason.is_none() {
+            // A goodbye: every peer reads what was sent to it before it sees the end (see
+            // `PeerLink::linger`); the peers close on their side meanwhile, or soon after.
+            let deadline = Instant::now() + LINGER;
+            for link in self.links.iter().flatten() {
+                link.linger(deadline);
+            }
+        }
         // Stop reading first: our receivers return, while the peers still get the reason
         // before they see the connection close (and so blame the right rank).
         for link in self.links.iter().flatten() {
