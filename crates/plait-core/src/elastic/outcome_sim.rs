@@ -206,7 +206,13 @@ struct Mesh {
 #[derive(Clone, Copy, Debug, Default)]
 struct Stats {
     ok: u64,
+    /// Returned Ok once the next view's `done` said it stood (its barrier had failed).
+    ok_decided: u64,
     peer_lost: u64,
+    /// `PeerLost` raised by `catch_up` for a call not started when the view changed.
+    lost_unstarted: u64,
+    /// Calls that failed otherwise: evicted, or no view in time (the member stops).
+    evicted: u64,
     failed: u64,
     views: u64,
     forced: u64,
@@ -214,14 +220,17 @@ struct Stats {
     left: u64,
     crashed: u64,
     stopped: u64,
-    /// Members left out of a view while up and not leaving (suspected wrongly, or stopped).
-    evicted_up: u64,
+    /// Members left out of a view though never stopped nor leaving (suspected wrongly).
+    evicted_healthy: u64,
 }
 
 impl Stats {
     fn add(&mut self, o: &Stats) {
         self.ok += o.ok;
+        self.ok_decided += o.ok_decided;
         self.peer_lost += o.peer_lost;
+        self.lost_unstarted += o.lost_unstarted;
+        self.evicted += o.evicted;
         self.failed += o.failed;
         self.views += o.views;
         self.forced += o.forced;
@@ -229,7 +238,7 @@ impl Stats {
         self.left += o.left;
         self.crashed += o.crashed;
         self.stopped += o.stopped;
-        self.evicted_up += o.evicted_up;
+        self.evicted_healthy += o.evicted_healthy;
     }
 }
 
@@ -240,6 +249,7 @@ struct World {
     next_id: MemberId,
     committed: BTreeMap<u64, View>,
     stats: Stats,
+    stopped_ever: BTreeSet<MemberId>,
     violations: Vec<String>,
     trace: Option<Vec<String>>,
 }
@@ -274,6 +284,7 @@ impl World {
             next_id: 100,
             committed: BTreeMap::from([(0, view)]),
             stats: Stats::default(),
+            stopped_ever: BTreeSet::new(),
             violations: Vec::new(),
             trace: trace.then(Vec::new),
         }
@@ -361,15 +372,25 @@ impl World {
     /// a view it committed, and wakes its user thread if that waits on the control plane.
     fn control(&mut self, id: MemberId, f: impl FnOnce(&mut Control, &mut Out)) {
         let p = self.procs.get_mut(&id).expect("known");
-        let (epoch, evicted) = (p.ctl.view().epoch, p.ctl.evicted);
+        let (epoch, evicted, proposed) = (p.ctl.view().epoch, p.ctl.evicted, p.ctl.proposed_at);
         let mut out = Vec::new();
         f(&mut p.ctl, &mut out);
+        if p.ctl.proposed_at != proposed && p.ctl.proposed_at.is_some() {
+            let (suspects, leaving) = (p.ctl.suspects.clone(), p.ctl.leaving.clone());
+            let now = self.sched.now;
+            self.note(|| format!("{now}: {id} proposes epoch {} (suspects {suspects:?}, leaving {leaving:?})", epoch + 1));
+        }
+        let p = self.procs.get_mut(&id).expect("known");
         let hook = p.ctl.abort_pending;
         let adopted = (p.ctl.view().epoch != epoch).then(|| p.ctl.view().clone());
         let leaving = p.ctl.leaving.contains(&id);
         let newly_evicted = p.ctl.evicted && !evicted;
         let watches = p.user.step.watches_control();
         for (to, wire) in out {
+            if let Wire::Suspect { who, .. } = &wire {
+                let (now, who) = (self.sched.now, *who);
+                self.note(|| format!("{now}: {id} tells {to} it suspects {who}"));
+            }
             self.sched.send(id, to, wire);
         }
         if hook {
@@ -381,8 +402,10 @@ impl World {
             self.note(|| format!("{now}: {id} adopts epoch {} {:?} done {} forced {}", view.epoch, view.members, view.done, view.forced));
             self.commit(view);
         }
-        if newly_evicted && !leaving {
-            self.stats.evicted_up += 1;
+        if newly_evicted && !leaving && !self.stopped_ever.contains(&id) {
+            self.stats.evicted_healthy += 1;
+            let now = self.sched.now;
+            self.note(|| format!("{now}: {id} EVICTED though healthy"));
         }
         if watches {
             self.sched.after(0, Ev::Step(id));
@@ -527,6 +550,7 @@ impl World {
                 let until = now + HB / 4 + r1;
                 self.note(|| format!("{now}: CHAOS stop {x} until {until}"));
                 self.stats.stopped += 1;
+                self.stopped_ever.insert(x);
                 self.procs.get_mut(&x).expect("known").status = Status::Stopped { until };
             }
             (40..=64, Some(dialed)) if self.procs.len() < 12 => {
@@ -613,7 +637,7 @@ impl World {
                     }
                 }
                 let over: Vec<MemberId> = first.iter().map(|c| c.member).collect();
-                if over != view.members || first.iter().any(|c| (c.epoch, c.seq) != (e, s) || c.kind == Kind::Barrier) {
+                if over != view.members || first.iter().any(|c| (c.epoch, c.seq, c.kind) != (e, s, first[0].kind) || c.kind == Kind::Barrier) {
                     found.push(format!("1: op ({e},{s}) was computed over {first:?}, not epoch {e}'s members {:?}", view.members));
                 }
                 // 2: nobody lost it.
@@ -705,6 +729,9 @@ fn every_survivor_returns_the_same_outcome_under_crashes_stops_joins_and_leaves(
     eprintln!("outcome_sim: {total:?}");
     // The chaos must reach the cases the rule is for, or the checks prove little.
     assert!(total.ok > 100_000 && total.peer_lost > 1000, "{total:?}");
+    // Both halves of the rule: an operation that stands though its barrier failed, and one
+    // lost by a member that had not started it.
+    assert!(total.ok_decided > 1000 && total.lost_unstarted > 1000, "{total:?}");
     assert!(total.forced > 1000 && total.views > total.forced + 1000, "{total:?}");
     assert!(total.joined > 1000 && total.left > 500 && total.crashed > 1000 && total.stopped > 1000, "{total:?}");
 }
@@ -718,3 +745,4 @@ fn a_seed_replays_exactly() {
     };
     assert_eq!(trace(7), trace(7));
 }
+

@@ -30,7 +30,7 @@ pub(super) struct Control {
     pub pending: BTreeSet<MemberId>,
     pub frozen: bool,
     last_done: u64,
-    proposed_at: Option<Time>,
+    pub proposed_at: Option<Time>,
     trouble_since: Option<Time>,
     pub decisions: BTreeMap<u64, Decision>,
     pub evicted: bool,

@@ -228,6 +228,7 @@ impl World {
             let call = p.user.ops.seq + 1;
             if d.forced && call == d.done + 1 {
                 let op = (p.user.ops.epoch, call);
+                self.stats.lost_unstarted += 1;
                 self.lost(id);
                 return self.finish(id, Some(op), Outcome::PeerLost);
             }
@@ -371,6 +372,7 @@ impl World {
                 return self.finish_call(id, Outcome::Failed("internal"));
             };
             if completed && d.done >= seq {
+                self.stats.ok_decided += 1;
                 let result = self.user(id).call.as_ref().and_then(|c| c.result.clone()).expect("completed");
                 return self.finish_call(id, Outcome::Ok(result));
             }
@@ -488,6 +490,7 @@ impl World {
         match &outcome {
             Outcome::Ok(_) => self.stats.ok += 1,
             Outcome::PeerLost => self.stats.peer_lost += 1,
+            Outcome::Failed("evicted") => self.stats.evicted += 1,
             _ => self.stats.failed += 1,
         }
         self.user(id).log.push(Record { kind: c.kind, op, outcome: outcome.clone() });
