@@ -1,7 +1,8 @@
 //! Elastic mode (issue 15; the protocol is in `docs/elastic.md`): members join and leave while
 //! the others train, with no process that the group cannot lose.
 //!
-//! - `agree`: the per-epoch view agreement as a pure state machine (simulated in `agree_sim`);
+//! - `agree`: the per-epoch view agreement as a pure state machine (simulated in `agree_sim`;
+//!   the per-operation outcome rule of `control` and `comm` over it, in `outcome_sim`);
 //! - `link`: control links between members (authenticated with the token);
 //! - `control`: one member's control plane: links, heartbeats, suspicion, the agreement driven
 //!   over the links, joiners, and each epoch's bootstrap records;
@@ -12,5 +13,7 @@ pub(crate) mod agree;
 mod comm;
 mod control;
 mod link;
+#[cfg(test)]
+mod outcome_sim;
 
 pub use comm::{ElasticComm, ElasticConfig, Witness};
