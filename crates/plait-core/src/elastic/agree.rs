@@ -186,6 +186,10 @@ impl Member {
                 .unwrap_or(0);
             View { epoch, members, done, forced: p.forced, contacts, witness: self.view.witness.clone() }
         });
+        if value.members.is_empty() {
+            // Only leavers (and the witness) promised: a view of nobody would end the group.
+            return Vec::new();
+        }
         p.value = Some(value.clone());
         let ballot = p.ballot;
         self.view.voters().map(|m| (m, Msg::Accept { epoch, ballot, view: value.clone() })).collect()

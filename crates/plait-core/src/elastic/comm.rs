@@ -301,7 +301,7 @@ impl ElasticComm {
             }
         })));
         if self.control.moved_past(view.epoch) {
-            comm.abort("the group moved on while this mesh was being built");
+            comm.abort(&format!("{VIEW_CHANGE}: the group moved on while this mesh was being built"));
         }
         ops.mesh = Some((comm, view.members.clone()));
         Ok(ops.mesh.clone().expect("just set"))

@@ -74,6 +74,11 @@ struct State {
     dialers: HashMap<MemberId, MemberId>,
     /// When this member last dialled each member it had no link to.
     dialed_at: HashMap<MemberId, Instant>,
+    /// When the driver last ticked.
+    last_tick: Option<Instant>,
+    /// Whether this member's proposal under way is forced (a non-forced one waits for every
+    /// member it expects: nobody is suspected, so a late promise is no reason to leave one out).
+    proposal_forced: bool,
     /// The freeze hook to call once the state lock is released (`run_deferred`).
     abort_pending: Option<String>,
     heard: HashMap<MemberId, Instant>,
@@ -228,6 +233,8 @@ impl Control {
             dialers: HashMap::new(),
             dialed_at: HashMap::new(),
             abort_pending: None,
+            last_tick: None,
+            proposal_forced: false,
             heard: HashMap::new(),
             said: HashMap::new(),
             suspects: BTreeMap::new(),
@@ -908,6 +915,15 @@ impl Control {
         }
         let now = Instant::now();
         let hb = self.cfg.heartbeat_timeout;
+        if st.last_tick.is_some_and(|t| now - t >= hb / 2) {
+            // This member was stalled itself (stopped, swapped out): what it has not read yet
+            // is queued, not missing, so nobody is judged silent on this tick.
+            let ids: Vec<MemberId> = st.heard.keys().copied().collect();
+            for id in ids {
+                st.heard.insert(id, now);
+            }
+        }
+        st.last_tick = Some(now);
         let epoch = st.agree.view.epoch;
         let ids: Vec<MemberId> = st.links.keys().copied().collect();
         for id in ids {
@@ -963,7 +979,7 @@ impl Control {
             self.link_witness();
             st = self.state.lock();
         }
-        if st.agree.proposing() && st.proposed_at.is_some_and(|t| now - t >= self.grace()) {
+        if st.agree.proposing() && st.proposal_forced && st.proposed_at.is_some_and(|t| now - t >= self.grace()) {
             let out = st.agree.decide();
             self.dispatch(&mut st, out);
         }
@@ -1002,6 +1018,11 @@ impl Control {
         let Some(&leader) = alive.iter().find(|m| !st.leaving.contains(m)).or(alive.first()) else { return };
         let hb = self.cfg.heartbeat_timeout;
         let takeover = now - since >= hb * (1 + alive.iter().position(|&m| m == self.me).unwrap_or(0) as u32);
+        let leaving_myself = st.leaving.contains(&self.me);
+        if leaving_myself && leader != self.me {
+            // A leaver votes; it proposes only when nobody who stays is left to.
+            return;
+        }
         if leader != self.me && !takeover {
             let epoch = st.agree.view.epoch;
             let untold: Vec<(MemberId, String)> = st.suspects.iter().filter(|(m, _)| !st.told.contains(m)).map(|(m, w)| (*m, w.clone())).collect();
@@ -1028,6 +1049,7 @@ impl Control {
             joiners.len()
         );
         st.proposed_at = Some(now);
+        st.proposal_forced = forced;
         let leaving = st.leaving.clone();
         let out = st.agree.propose(expect, joiners, leaving, forced);
         self.dispatch(st, out);
