@@ -54,6 +54,8 @@ struct Ops {
     mesh: Option<(Arc<Communicator>, Vec<MemberId>)>,
     /// A joiner's first `update()` is the one that admitted it, already done by the members.
     admitted: bool,
+    /// The memory of the last operation's saved output, reused (`SavedOutput`).
+    saved: Vec<u8>,
 }
 
 pub struct ElasticComm {
@@ -99,7 +101,7 @@ impl ElasticComm {
         // calls pair with the members' from the admitting epoch on.
         let epoch = control.first_epoch();
         let members = control.decision(epoch).map(|d| d.members).unwrap_or_default();
-        let ops = Ops { epoch, members, seq: 0, lost_track: None, mesh: None, admitted: joining };
+        let ops = Ops { epoch, members, seq: 0, lost_track: None, mesh: None, admitted: joining, saved: Vec::new() };
         Ok(ElasticComm { control, template: cfg.comm, ops: Mutex::new(ops) })
     }
 
@@ -138,8 +140,12 @@ impl ElasticComm {
         let (epoch, seq) = (ops.epoch, ops.seq);
         let output = req.output;
         // Restored if the operation does not stand (the mesh restores a failed one itself, but
-        // one that completed here and failed elsewhere has already overwritten it).
-        let saved = bytes(output.ptr, output.len).to_vec();
+        // one that completed here and failed elsewhere has already overwritten it). The copy's
+        // memory is kept from call to call: a fresh allocation of a large buffer costs more in
+        // page faults than the copy itself.
+        let mut saved = std::mem::take(&mut ops.saved);
+        saved.clear();
+        saved.extend_from_slice(bytes(output.ptr, output.len));
         let local = self.mesh(&mut ops).and_then(|(comm, _)| {
             comm.collective(req, true)?.wait(None).expect("an inline operation has completed")?;
             Ok(comm)
@@ -154,16 +160,20 @@ impl ElasticComm {
         if completed {
             let comm = local.as_ref().expect("completed");
             match comm.barrier(None, true).and_then(|w| w.wait(None).expect("an inline barrier has completed")) {
-                Ok(_) => return Ok(()),
+                Ok(_) => {
+                    ops.saved = saved;
+                    return Ok(());
+                }
                 Err(e) => self.blame(&ops, epoch, &e),
             }
         }
         let decided = self.control.wait_past(epoch, Instant::now() + self.template.timeout).and_then(|_| self.decision(epoch + 1));
-        let restore = || bytes_mut(output.ptr, output.len).copy_from_slice(&saved);
+        let restore = |saved: &[u8]| bytes_mut(output.ptr, output.len).copy_from_slice(saved);
         let d = match decided {
             Ok(d) => d,
             Err(e) => {
-                restore();
+                restore(&saved);
+                ops.saved = saved;
                 if !matches!(e, PlaitError::Evicted(_)) {
                     // Its peers may yet agree that this operation stands: this member can no
                     // longer tell, so it stops here rather than pair its next call wrongly.
@@ -172,10 +182,13 @@ impl ElasticComm {
                 return Err(e.for_op(what));
             }
         };
+        if !(completed && d.done >= seq) {
+            restore(&saved);
+        }
+        ops.saved = saved;
         if completed && d.done >= seq {
             return Ok(());
         }
-        restore();
         Err(self.lost(&mut ops, what))
     }
 
