@@ -6,27 +6,8 @@
 //! and, once the network heals, a view is committed that every live member adopts.
 
 use super::*;
+use crate::elastic::sim_rng::Rng;
 use std::collections::HashMap;
-
-/// xorshift64*: a tiny seeded generator, so a failing seed replays exactly.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n.max(1)
-    }
-
-    fn chance(&mut self, percent: u64) -> bool {
-        self.below(100) < percent
-    }
-}
 
 struct World {
     members: Vec<Member>,

@@ -14,6 +14,8 @@ mod comm;
 mod control;
 mod link;
 #[cfg(test)]
+mod sim_rng;
+#[cfg(test)]
 mod outcome_sim;
 
 pub use comm::{ElasticComm, ElasticConfig, Witness};

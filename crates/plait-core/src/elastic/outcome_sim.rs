@@ -22,6 +22,7 @@
 //! A failing seed panics with the run's trace (calls, views, proposals, suspicions, chaos).
 
 use super::agree::{MemberId, Msg, View, WITNESS};
+use super::sim_rng::Rng;
 use std::collections::{BTreeMap, BTreeSet, BinaryHeap};
 
 mod control;
@@ -101,29 +102,6 @@ impl Ev {
     }
 }
 
-/// xorshift64*, as in `agree_sim`: a failing seed replays exactly.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n.max(1)
-    }
-
-    fn chance(&mut self, percent: u64) -> bool {
-        self.below(100) < percent
-    }
-
-    fn pick<T: Copy>(&mut self, from: &[T]) -> Option<T> {
-        (!from.is_empty()).then(|| from[self.below(from.len() as u64) as usize])
-    }
-}
 
 /// An event due at `at`; `seq` keeps events due together in the order they were scheduled.
 struct Timed {
