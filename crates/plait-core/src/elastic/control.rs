@@ -67,12 +67,10 @@ struct State {
     member: bool,
     /// This process is a witness: it only votes.
     witness: bool,
-    /// When this member last dialled the group's witness.
-    witness_dialed: Option<Instant>,
     links: HashMap<MemberId, Arc<CtlLink>>,
     /// Which end dialled each link.
     dialers: HashMap<MemberId, MemberId>,
-    /// When this member last dialled each member it had no link to.
+    /// When this member last dialled each member (and the witness) it had no link to.
     dialed_at: HashMap<MemberId, Instant>,
     /// When the driver last ticked.
     last_tick: Option<Instant>,
@@ -228,7 +226,6 @@ impl Control {
             agree: Member::new(me, view),
             member,
             witness: role == Role::Witness,
-            witness_dialed: None,
             links: HashMap::new(),
             dialers: HashMap::new(),
             dialed_at: HashMap::new(),
@@ -579,7 +576,7 @@ impl Control {
     }
 
     fn dial_join(self: &Arc<Self>, peer: &str, port: u16) -> Result<()> {
-        let join = Ctl::Join { id: self.me, group: self.cfg.group.clone(), port, dialed: peer.to_string() };
+        let join = Ctl::Join { id: self.me, group: self.cfg.group.clone(), port };
         let (id, link) = self.connect(peer, &join)?;
         let _ = self.events.send(Event::Linked { id, link, joiner: None, dialer: self.me });
         Ok(())
@@ -719,7 +716,7 @@ impl Control {
                 st.leaving.insert(self.me);
                 let ids: Vec<MemberId> = st.links.keys().copied().collect();
                 for id in ids {
-                    self.send(&mut st, id, Ctl::Leave { id: self.me });
+                    self.send(&mut st, id, Ctl::Leave);
                 }
             }
             Event::Change { epoch, why } => {
@@ -750,7 +747,7 @@ impl Control {
                     st.suspects.entry(who).or_insert(format!("member {from:x} lost it: {why}"));
                 }
             }
-            Ctl::Leave { .. } => {
+            Ctl::Leave => {
                 // The sender leaves (never another member on its word).
                 if st.agree.view.members.contains(&from) {
                     st.leaving.insert(from);
@@ -972,9 +969,9 @@ impl Control {
             }
         }
         if st.member && st.agree.view.witness.is_some() && !st.links.contains_key(&WITNESS)
-            && st.witness_dialed.is_none_or(|t| now - t >= hb)
+            && st.dialed_at.get(&WITNESS).is_none_or(|t| now - *t >= hb)
         {
-            st.witness_dialed = Some(now);
+            st.dialed_at.insert(WITNESS, now);
             drop(st);
             self.link_witness();
             st = self.state.lock();

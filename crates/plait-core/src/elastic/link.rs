@@ -31,9 +31,9 @@ const PATTERN: &str = "Noise_NNpsk0_25519_ChaChaPoly_BLAKE2s";
 pub(crate) enum Ctl {
     /// The first message of a link between members, each way: who this is.
     Hello { id: MemberId, group: String, contact: String, epoch: u64 },
-    /// The first message of a joiner: its id, the port its control plane listens on, and the
-    /// address it dialled (so a member that did not know its own address learns it).
-    Join { id: MemberId, group: String, port: u16, dialed: String },
+    /// The first message of a joiner: its id, and the port its control plane listens on (its
+    /// address is the one the member sees the connection come from).
+    Join { id: MemberId, group: String, port: u16 },
     /// A joiner waits to be admitted; told to every member, so a new leader knows it too.
     Pending { id: MemberId, contact: String },
     /// That joiner went away before it was admitted.
@@ -44,9 +44,9 @@ pub(crate) enum Ctl {
     Suspect { epoch: u64, who: MemberId, why: String },
     /// A bootstrap record of `epoch` (the store of that epoch's mesh), sent to every member.
     Kv { epoch: u64, key: String, value: Vec<u8> },
-    /// The sender leaves the group: it still votes until a view without it is agreed (`id` is
-    /// informative: the receiver takes the link's member).
-    Leave { id: MemberId },
+    /// The sender (the link's member) leaves the group: it still votes until a view without it
+    /// is agreed.
+    Leave,
     /// "I am alive, at `epoch`"; on idle links.
     Heartbeat { epoch: u64 },
     /// The answer to a hello or join that is refused.
