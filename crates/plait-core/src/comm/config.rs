@@ -128,7 +128,7 @@ pub const SETTINGS: &[Setting] = &[
         name: "PLAIT_JOIN",
         kind: "text",
         default: "",
-        doc: "Elastic mode: control addresses (`host:port`, comma-separated) of members of the group to join, for `plait.elastic.join()` called without peers; empty founds a new group.",
+        doc: "Elastic mode: control addresses (`host:port`, comma-separated) of members of the group to join, for `plait.elastic.join()` called without peers; a name that resolves to several addresses (one DNS name for the group) is tried at each. Empty founds a new group.",
         range: None,
     },
     Setting {

@@ -550,12 +550,7 @@ impl Control {
     }
 
     fn connect(&self, contact: &str, first: &Ctl) -> Result<(MemberId, Arc<CtlLink>)> {
-        let addr = contact
-            .to_socket_addrs()
-            .map_err(|e| PlaitError::Rendezvous(format!("cannot resolve {contact}: {e}")))?
-            .next()
-            .ok_or_else(|| PlaitError::Rendezvous(format!("{contact} resolves to no address")))?;
-        let s = TcpStream::connect_timeout(&addr, self.cfg.connect_timeout).map_err(|e| PlaitError::Rendezvous(format!("cannot connect to {contact}: {e}")))?;
+        let s = self.connect_any(contact)?;
         // A handshake that fails on what it read (another token, another group) is a refusal;
         // a connection that ends is a member going away.
         let failed = |e: std::io::Error| {
@@ -573,6 +568,12 @@ impl Control {
             Ctl::NotMember => Err(PlaitError::Rendezvous(format!("{contact} is no longer a member of the group"))),
             other => Err(PlaitError::Rendezvous(format!("{contact} answered {other:?}"))),
         }
+    }
+
+    fn connect_any(&self, contact: &str) -> Result<TcpStream> {
+        let addrs: Vec<SocketAddr> =
+            contact.to_socket_addrs().map_err(|e| PlaitError::Rendezvous(format!("cannot resolve {contact}: {e}")))?.collect();
+        connect_first(contact, &addrs, self.cfg.connect_timeout)
     }
 
     fn dial_join(self: &Arc<Self>, peer: &str, port: u16) -> Result<()> {
@@ -1053,6 +1054,42 @@ impl Control {
     }
 }
 
+/// A name may resolve to several machines (one DNS name for the whole group): each address is
+/// tried in turn, and the first that accepts is the one dialled.
+fn connect_first(contact: &str, addrs: &[SocketAddr], timeout: Duration) -> Result<TcpStream> {
+    let mut failed = Vec::new();
+    for addr in addrs {
+        match TcpStream::connect_timeout(addr, timeout) {
+            Ok(s) => return Ok(s),
+            Err(e) => failed.push(format!("{addr}: {e}")),
+        }
+    }
+    Err(PlaitError::Rendezvous(match failed.len() {
+        0 => format!("{contact} resolves to no address"),
+        1 => format!("cannot connect to {contact} ({})", failed[0]),
+        _ => format!("cannot connect to any address of {contact} ({})", failed.join("; ")),
+    }))
+}
+
 fn bind(listen: &str) -> Result<TcpListener> {
     TcpListener::bind(listen).map_err(|e| PlaitError::Config(format!("elastic: cannot listen on {listen}: {e}")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_name_with_several_addresses_is_dialled_at_the_first_that_answers() {
+        let closed = TcpListener::bind("127.0.0.1:0").unwrap();
+        let dead = closed.local_addr().unwrap();
+        drop(closed);
+        let live = TcpListener::bind("127.0.0.1:0").unwrap();
+        let s = connect_first("group.example:1", &[dead, live.local_addr().unwrap()], Duration::from_secs(2)).unwrap();
+        assert_eq!(s.peer_addr().unwrap(), live.local_addr().unwrap());
+        let e = connect_first("group.example:1", &[dead, dead], Duration::from_secs(2)).unwrap_err().to_string();
+        assert!(e.contains("any address of group.example:1") && e.contains(&dead.to_string()), "{e}");
+        let e = connect_first("nowhere:1", &[], Duration::from_secs(2)).unwrap_err().to_string();
+        assert!(e.contains("nowhere:1 resolves to no address"), "{e}");
+    }
 }
