@@ -701,3 +701,18 @@ def test_modules_import_and_stop_ranks_without_posix_process_groups():
                        timeout=120)
     assert p.returncode == 0 and p.stdout.strip().endswith("ok"), p.stdout[-2000:] + p.stderr[-4000:]
     assert "Linux-only" in p.stderr
+
+
+def test_doctor_names_the_pair_that_cannot_connect_even_when_another_rank_quotes_it_first():
+    """A rank whose peer failed to connect may report that peer's error ("peer rank 2 (...) failed:
+    could not connect to rank 1"): the unreachable pair is still 2 and 1, not the quoting rank."""
+    infos, measures = _per_port_world()
+    relayed = ("allreduce #0: peer rank 2 (10.0.13.2:40000) failed: could not connect to rank 1 (mini-b): "
+               "10.0.23.2 -> 10.0.23.1: timed out")
+    measures[0] = {"error": {"type": "PeerError", "message": relayed, "stage": "connect"}}
+    measures[2] = {"error": {"type": "RendezvousError", "message": "could not connect to rank 1 (mini-b): timed out",
+                             "stage": "connect"}}
+    rep = doctor.build_report(3, infos, measures, [])
+    culprits = [w for w in rep["warnings"] if w["code"] == "unreachable_peer"]
+    assert [w["ranks"] for w in culprits] == [[1, 2]], culprits
+    assert "rank 2 cannot reach rank 1" in culprits[0]["message"]

@@ -500,12 +500,16 @@ def build_report(n, infos, measures, missing, *, master_addr=None, master_port=N
     # connect to a peer is the culprit; the others' errors (timeouts waiting) usually follow from it.
     import re
 
+    # A rank's error may quote another's ("peer rank 2 (...) failed: could not connect to rank
+    # 1"): the pair is the quoted one, whichever rank's error says it first.
     culprits = []
     for r, m in enumerate(measures):
-        e = (m or {}).get("error") or {}
-        hit = re.search(r"could not connect to rank (\d+)", e.get("message", ""))
-        if hit:
-            culprits.append((r, int(hit.group(1))))
+        msg = ((m or {}).get("error") or {}).get("message", "")
+        relayed = re.search(r"rank (\d+)(?: \([^)]*\))? failed: could not connect to rank (\d+)", msg)
+        hit = re.search(r"could not connect to rank (\d+)", msg)
+        pair = (int(relayed.group(1)), int(relayed.group(2))) if relayed else (r, int(hit.group(1))) if hit else None
+        if pair and pair not in culprits:
+            culprits.append(pair)
     for r, p in culprits:
         warn("error", "unreachable_peer", f"rank {r} cannot reach rank {p} on any of its addresses "
              f"({infos[p]['host'] if p < len(infos) and infos[p] else 'host unknown'})",

@@ -306,7 +306,9 @@ impl ElasticComm {
         let epoch = view.epoch;
         cfg.give_up = Some(GiveUp(Arc::new(move || control.moved_past(epoch))));
         let store = ViewStore { control: self.control.clone(), epoch: view.epoch };
+        let started = Instant::now();
         let comm = Communicator::new(&store, cfg)?;
+        tracing::info!("elastic: the mesh of epoch {} ({} members) took {:.1} ms", view.epoch, view.members.len(), started.elapsed().as_secs_f64() * 1e3);
         let weak = Arc::downgrade(&comm);
         self.control.set_on_freeze(Some(Arc::new(move |why: &str| {
             if let Some(c) = weak.upgrade() {

@@ -704,8 +704,9 @@ impl Control {
                 self.on_message(&mut st, from, msg);
             }
             Event::Suspect { epoch, who, why } => {
-                if epoch == st.agree.view.epoch && st.agree.view.members.contains(&who) && who != self.me {
-                    st.suspects.entry(who).or_insert(why);
+                if epoch == st.agree.view.epoch && st.agree.view.members.contains(&who) && who != self.me && !st.suspects.contains_key(&who) {
+                    tracing::info!("elastic: member {:x} suspects {who:x}: {why}", self.me);
+                    st.suspects.insert(who, why);
                 }
             }
             Event::Admit { epoch } => {
