@@ -118,7 +118,7 @@ fn check_decode_on(wire: Wire, enc: &[u8], n: usize, rng: &mut Rng, what: &str) 
     let acc: Vec<u32> = (0..n)
         .map(|_| match rng.below(16) {
             0 => 0x7fc0_0000 | rng.u32() & 0x803f_ffff,
-            1 => 0xff80_0000 * (rng.u32() & 1) + 0x7f80_0000 * (rng.u32() & 1),
+            1 => (0xff80_0000 * (rng.u32() & 1)).wrapping_add(0x7f80_0000 * (rng.u32() & 1)),
             2 => rng.u32() & 0x807f_ffff,
             3 => 0x8000_0000 * (rng.u32() & 1),
             _ => rng.u32(),

@@ -122,6 +122,9 @@ struct Lane {
     /// Nanoseconds since `epoch_start` when the last byte arrived on this lane.
     last_rx: Arc<AtomicU64>,
     read: Arc<ReadSide>,
+    /// Wakes an idle sender thread at shutdown, which would otherwise sleep on until its next
+    /// heartbeat check (up to 50 ms that a closing session waits out when it joins the thread).
+    wake_sender: Sender<()>,
 }
 
 impl PeerLink {
@@ -143,6 +146,7 @@ impl PeerLink {
             let (seal, open) = cipher.map(|c| (c.seal, c.open)).unzip();
             let (queue, queue_rx) = crossbeam_channel::unbounded();
             let (urgent, urgent_rx) = crossbeam_channel::unbounded();
+            let (wake_sender, wake_rx) = crossbeam_channel::bounded(1);
             let last_rx = Arc::new(AtomicU64::new(0));
             let writer = Arc::new(Mutex::new(Writer {
                 stream: stream.try_clone()?,
@@ -157,11 +161,11 @@ impl PeerLink {
             threads.push(
                 std::thread::Builder::new()
                     .name(format!("plait-send-{peer}{suffix}"))
-                    .spawn(move || send_loop_guarded(w, queue_rx, urgent_rx, heartbeat, c))?,
+                    .spawn(move || send_loop_guarded(w, queue_rx, urgent_rx, wake_rx, heartbeat, c))?,
             );
             let r = read.clone();
             threads.push(std::thread::Builder::new().name(format!("plait-recv-{peer}{suffix}")).spawn(move || r.run_guarded())?);
-            lanes.push(Lane { stream, writer, queue, urgent, last_rx, read });
+            lanes.push(Lane { stream, writer, queue, urgent, last_rx, read, wake_sender });
         }
         Ok(Arc::new(PeerLink {
             addr,
@@ -319,6 +323,7 @@ impl PeerLink {
         for lane in &self.lanes {
             let _ = lane.stream.shutdown(Shutdown::Both);
             lane.read.wake();
+            let _ = lane.wake_sender.try_send(());
         }
     }
 
@@ -364,11 +369,12 @@ fn send_loop_guarded(
     writer: Arc<Mutex<Writer>>,
     queue: Receiver<SendReq>,
     urgent: Receiver<SendReq>,
+    wake: Receiver<()>,
     heartbeat: Duration,
     closing: Arc<AtomicBool>,
 ) {
     let w = writer.clone();
-    if let Err(panic) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| send_loop(writer, queue, urgent, heartbeat, closing))) {
+    if let Err(panic) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| send_loop(writer, queue, urgent, wake, heartbeat, closing))) {
         let mut w = w.lock();
         tracing::error!("a link's sender thread panicked: {}", crate::error::panic_message(&*panic));
         w.failed = Some(io::ErrorKind::BrokenPipe);
@@ -380,6 +386,7 @@ fn send_loop(
     writer: Arc<Mutex<Writer>>,
     queue: Receiver<SendReq>,
     urgent: Receiver<SendReq>,
+    wake: Receiver<()>,
     heartbeat: Duration,
     closing: Arc<AtomicBool>,
 ) {
@@ -401,6 +408,7 @@ fn send_loop(
                 crossbeam_channel::select! {
                     recv(urgent) -> r => match r { Ok(r) => r, Err(_) => return },
                     recv(queue) -> r => match r { Ok(r) => r, Err(_) => return },
+                    recv(wake) -> _ => continue,
                     default(wait) => {
                         let mut w = writer.lock();
                         if w.failed.is_none() && w.last_tx.elapsed() >= heartbeat {

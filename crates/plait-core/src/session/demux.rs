@@ -230,8 +230,18 @@ impl Demux {
         if !first {
             return;
         }
-        std::thread::sleep(DOWN_GRACE);
-        if self.session.lock().upgrade().is_some_and(|f| f.broken().is_some()) {
+        // The grace ends early once the session has failed or closed: nobody is left to blame,
+        // and this is a receiver thread that a closing session waits for (an elastic member
+        // closes the mesh that lost a member straight away, and would wait out the grace).
+        let broken = || self.session.lock().upgrade().is_some_and(|f| f.broken().is_some());
+        let until = Instant::now() + DOWN_GRACE;
+        while Instant::now() < until {
+            if broken() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        if broken() {
             return;
         }
         let downs = self.downs.lock().clone();
