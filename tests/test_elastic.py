@@ -330,3 +330,78 @@ def test_a_member_stopped_while_a_mesh_is_built_costs_a_heartbeat_timeout_not_th
         assert last["ev"] == "err" and last["kind"] == "PeerLost", last
         assert last["took"] < 10, f"{r} waited {last['took']} s (heartbeat timeout 1 s, operation timeout 20 s)"
         assert "no member" not in last["msg"], "the error names the member that was lost"
+
+
+_STORE_WORKER = """
+import json, os, sys, numpy as np, plait, plait.elastic
+stop = sys.argv[1]
+comm = plait.elastic.join(heartbeat_timeout=0.5, timeout=30, listen="127.0.0.1:0")  # PLAIT_JOIN_STORE
+seen = None
+while not os.path.exists(stop):
+    try:
+        comm.update()
+        comm.allreduce(np.ones(2))
+    except plait.PeerLost:
+        continue
+    now = (comm.epoch, comm.members)
+    if now != seen:
+        seen = now
+        print(json.dumps({"id": comm.member_id, "epoch": comm.epoch, "members": comm.members}), flush=True)
+comm.close()
+"""
+
+
+def test_processes_started_alike_find_one_group_through_a_store_and_a_gone_group_is_founded_anew(tmp_path):
+    """Every process runs the same command with PLAIT_JOIN_STORE: of those started at once, one
+    founds and the others join; after the founder is killed a newcomer still finds the group (the
+    most senior survivor keeps the record); once every member is gone, the next process founds a
+    new group instead of dialling the dead ones until its timeout."""
+    pytest.importorskip("torch")
+    from plait._store import tcp_store
+
+    server = tcp_store("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    stop = tmp_path / "stop"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), PLAIT_JOIN_STORE=f"127.0.0.1:{server.port}")
+    env.pop("PLAIT_JOIN", None)
+    procs, views = [], {}
+
+    def start():
+        p = subprocess.Popen([sys.executable, "-c", _STORE_WORKER, str(stop)], env=env, stdout=subprocess.PIPE, text=True)
+        procs.append(p)
+        return p
+
+    def latest(p, want):
+        """Reads `p`'s views until one with `want` members."""
+        end = time.time() + 30
+        while time.time() < end:
+            line = p.stdout.readline()
+            if not line:
+                break
+            v = json.loads(line)
+            views[p] = v
+            if len(v["members"]) == want:
+                return v
+        raise AssertionError(f"no view of {want} members from {p.args}: last {views.get(p)}")
+
+    try:
+        first = [start() for _ in range(3)]
+        got = [latest(p, 3) for p in first]
+        assert len({tuple(v["members"]) for v in got}) == 1, f"more than one group was founded: {got}"
+        founder = next(p for p, v in zip(first, got) if v["id"] == v["members"][0])
+        founder.kill()
+        newcomer = start()
+        joined = latest(newcomer, 3)
+        survivors = [p for p in first if p is not founder]
+        assert {views[p]["id"] for p in survivors} <= set(joined["members"]), joined
+        for p in survivors + [newcomer]:
+            p.kill()
+        last = start()
+        alone = latest(last, 1)
+        assert alone["epoch"] == 0 and alone["members"] == [alone["id"]], alone
+    finally:
+        stop.touch()
+        for p in procs:
+            try:
+                p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                p.kill()

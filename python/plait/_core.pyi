@@ -130,6 +130,7 @@ class Elastic:
     members: list[str]
     member_id: str
     contact: str
+    contacts: list[str]
     def __init__(
         self,
         *,
@@ -139,6 +140,7 @@ class Elastic:
         timeout: Optional[float] = None,
         heartbeat_timeout: Optional[float] = None,
         witness: Optional[str] = None,
+        dial_timeout: Optional[float] = None,
     ) -> None: ...
     def pending(self) -> int: ...
     def collective(

@@ -41,7 +41,7 @@ def witness(listen: str, *, group: str = "default", heartbeat_timeout: Optional[
 
 def join(peers: Optional[Sequence[str]] = None, *, listen: Optional[str] = None, group: str = "default",
          timeout: Optional[float] = None, heartbeat_timeout: Optional[float] = None,
-         witness: Optional[str] = None) -> "ElasticCommunicator":
+         witness: Optional[str] = None, store: Any = None) -> "ElasticCommunicator":
     """Joins the group of a member at one of `peers` ("host:port", its `contact`), or founds a
     new group when `peers` is empty. Returns once a view with this member is agreed: a joiner
     is admitted at the members' next `update()`.
@@ -55,10 +55,19 @@ def join(peers: Optional[Sequence[str]] = None, *, listen: Optional[str] = None,
     `witness`: for the founder, the address of the group's witness (`plait witness`; default
     PLAIT_WITNESS): it votes in every change, so that a group of two survives losing one. Joiners
     learn it from the group.
+    `store`: instead of `peers`, a store that keeps the group's addresses ("host:port" of a torch
+    TCPStore server such as `plait store`, or a c10d Store object; default PLAIT_JOIN_STORE). The
+    first process to find no group there founds one, the others join it, so every machine runs
+    the same command. The store is only a directory: the group trains on without it.
     """
     w = "plait.elastic.join"
-    if peers is None:
+    if peers is not None and store is not None:
+        raise InvalidArgumentError(f"{w}: give peers or a store, not both")
+    if peers is None and store is None:
+        store = _core.setting("PLAIT_JOIN_STORE") or None
         peers = [p.strip() for p in (_core.setting("PLAIT_JOIN") or "").split(",") if p.strip()]
+        if store is not None and peers:
+            raise InvalidArgumentError(f"{w}: PLAIT_JOIN and PLAIT_JOIN_STORE are both set; set one")
     if listen is None:
         listen = _core.setting("PLAIT_LISTEN") or "0.0.0.0:0"
     if witness is None:
@@ -73,8 +82,23 @@ def join(peers: Optional[Sequence[str]] = None, *, listen: Optional[str] = None,
         kw["heartbeat_timeout"] = float(heartbeat_timeout)
     if witness is not None:
         kw["witness"] = _str(witness, w, "witness")
-    core = _core.Elastic(peers=peers, listen=_str(listen, w, "listen"), group=_str(group, w, "group"), **kw)
-    return ElasticCommunicator(core)
+    listen, group = _str(listen, w, "listen"), _str(group, w, "group")
+    if store is None:
+        return ElasticCommunicator(_core.Elastic(peers=peers, listen=listen, group=group, **kw))
+    from ._directory import Directory, open_store
+
+    period = float(heartbeat_timeout if heartbeat_timeout is not None else _core.setting("PLAIT_HEARTBEAT_TIMEOUT") or 2.0)
+    directory = Directory(open_store(store), group, period)
+
+    def make(peers, dial_timeout):
+        extra = {} if dial_timeout is None else {"dial_timeout": dial_timeout}
+        return _core.Elastic(peers=peers, listen=listen, group=group, **kw, **extra)
+
+    core = directory.join(make, float(timeout if timeout is not None else _core.setting("PLAIT_TIMEOUT") or 300.0))
+    directory.publish_while(core)
+    comm = ElasticCommunicator(core)
+    comm._directory = directory
+    return comm
 
 
 class ElasticCommunicator(Communicator):
@@ -85,6 +109,7 @@ class ElasticCommunicator(Communicator):
         self._store = None
         self._pending = []
         self._comm = core
+        self._directory = None
 
     @property
     def epoch(self) -> int:
@@ -185,4 +210,6 @@ class ElasticCommunicator(Communicator):
 
     def close(self) -> None:
         """Leaves the group: the others go on without this member after their next view change."""
+        if self._directory is not None:
+            self._directory.stop()
         self._comm.close()

@@ -12,7 +12,7 @@ fn config(group: &str, peers: Vec<String>) -> ElasticConfig {
     comm.timeout = Duration::from_secs(20);
     comm.token = Some(Token::new(b"elastic test".to_vec()));
     comm.heartbeat_timeout = Duration::from_millis(500);
-    ElasticConfig { listen: "127.0.0.1:0".into(), peers, witness: None, comm }
+    ElasticConfig { listen: "127.0.0.1:0".into(), peers, dial_timeout: None, witness: None, comm }
 }
 
 fn allreduce(c: &ElasticComm, data: &mut [f64]) -> Result<(), PlaitError> {

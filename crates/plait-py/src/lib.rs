@@ -266,9 +266,18 @@ impl PyElastic {
     /// Founds a group (no `peers`) or joins the group of a member at one of `peers`; returns once
     /// this member is in a committed view.
     #[new]
-    #[pyo3(signature = (*, peers=Vec::new(), listen="0.0.0.0:0".to_string(), group="default".to_string(), timeout=None, heartbeat_timeout=None, witness=None))]
+    #[pyo3(signature = (*, peers=Vec::new(), listen="0.0.0.0:0".to_string(), group="default".to_string(), timeout=None, heartbeat_timeout=None, witness=None, dial_timeout=None))]
     #[allow(clippy::too_many_arguments)]
-    fn new(py: Python<'_>, peers: Vec<String>, listen: String, group: String, timeout: Option<f64>, heartbeat_timeout: Option<f64>, witness: Option<String>) -> PyResult<Self> {
+    fn new(
+        py: Python<'_>,
+        peers: Vec<String>,
+        listen: String,
+        group: String,
+        timeout: Option<f64>,
+        heartbeat_timeout: Option<f64>,
+        witness: Option<String>,
+        dial_timeout: Option<f64>,
+    ) -> PyResult<Self> {
         let mut cfg = CommConfig::from_env(0, 1).map_err(to_py)?;
         cfg.group = group;
         if let Some(t) = secs("elastic", timeout)? {
@@ -277,7 +286,8 @@ impl PyElastic {
         if let Some(h) = heartbeat_timeout {
             cfg.heartbeat_timeout = Duration::from_secs_f64(plait_core::check_setting("PLAIT_HEARTBEAT_TIMEOUT", &h.to_string()).map_err(to_py)?);
         }
-        let comm = py.allow_threads(move || guarded("elastic", || ElasticComm::start(ElasticConfig { listen, peers, witness, comm: cfg }))).map_err(to_py)?;
+        let dial_timeout = secs("elastic", dial_timeout)?;
+        let comm = py.allow_threads(move || guarded("elastic", || ElasticComm::start(ElasticConfig { listen, peers, dial_timeout, witness, comm: cfg }))).map_err(to_py)?;
         Ok(PyElastic { comm: Arc::new(comm) })
     }
 
@@ -307,6 +317,12 @@ impl PyElastic {
     #[getter]
     fn contact(&self) -> String {
         self.comm.contact()
+    }
+    /// Every member's control address in the current view, most senior first.
+    #[getter]
+    fn contacts(&self) -> Vec<String> {
+        let view = self.comm.view();
+        view.members.iter().filter_map(|m| view.contacts.get(m).cloned()).collect()
     }
     /// Joiners this member knows of (a local answer).
     fn pending(&self) -> usize {

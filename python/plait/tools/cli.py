@@ -261,6 +261,9 @@ def main(argv=None):
                          "without it). One command per machine; no launcher, no rendezvous server.")
     run.add_argument("--join", metavar="HOST:PORT", action="append", default=[],
                      help="a member's control address (repeatable); omitted: found a new group")
+    run.add_argument("--store", metavar="HOST:PORT", help="instead of --join: a store that keeps the group's "
+                     "addresses (`plait store`); the first process to find no group there founds one, the others "
+                     "join it, so every machine runs the same command (sets PLAIT_JOIN_STORE)")
     run.add_argument("--listen", metavar="HOST:PORT", help="where this member listens (default 0.0.0.0:0; give the "
                      "founder a fixed port, e.g. 0.0.0.0:29400)")
     run.add_argument("script", help="the Python script")
@@ -272,6 +275,11 @@ def main(argv=None):
     wit.add_argument("--listen", default="0.0.0.0:29499", help="where it listens (default 0.0.0.0:29499)")
     wit.add_argument("--group", default="default", help="the group's name (default: default)")
     wit.add_argument("--heartbeat-timeout", type=float, help="as the members' PLAIT_HEARTBEAT_TIMEOUT")
+    st = sub.add_parser("store", help="a directory for elastic groups (joiners find the group through it)",
+                        description="Serves a torch TCPStore where elastic members keep their group's addresses "
+                        "(`plait run --store HOST:PORT`, PLAIT_JOIN_STORE). It is not a master: groups train on "
+                        "if it stops; only processes that join through it need it. Needs torch.")
+    st.add_argument("--listen", default="0.0.0.0:29400", help="where it listens (default 0.0.0.0:29400)")
     from .trace import add_arguments as trace_arguments
 
     trace_arguments(sub.add_parser("trace", help="read the traces every rank writes on a timeout or failure"))
@@ -314,13 +322,36 @@ def main(argv=None):
         finally:
             w.close()
         return 0
+    if args.command == "store":
+        import time
+
+        from .._store import tcp_store
+
+        host, _, port = args.listen.rpartition(":")
+        if not port.isdigit():
+            parser.error(f"--listen must be HOST:PORT, got {args.listen!r}")
+        server = tcp_store(host.strip("[]") or "0.0.0.0", int(port), is_master=True, wait_for_workers=False)
+        print(f"plait store at {args.listen} (port {server.port})", flush=True)
+        _sigterm_as_exit()
+        try:
+            while True:
+                time.sleep(3600)
+        except KeyboardInterrupt:
+            pass
+        return 0
     if args.command == "run":
         import os
         import subprocess
 
+        if args.join and args.store:
+            parser.error("give --join or --store, not both")
         env = dict(os.environ)
+        if args.store:
+            env["PLAIT_JOIN_STORE"] = args.store
+            env.pop("PLAIT_JOIN", None)
         if args.join:
             env["PLAIT_JOIN"] = ",".join(args.join)
+            env.pop("PLAIT_JOIN_STORE", None)
         if args.listen:
             env["PLAIT_LISTEN"] = args.listen
         return subprocess.call([sys.executable, args.script, *args.args], env=env)

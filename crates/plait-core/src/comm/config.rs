@@ -132,6 +132,13 @@ pub const SETTINGS: &[Setting] = &[
         range: None,
     },
     Setting {
+        name: "PLAIT_JOIN_STORE",
+        kind: "text",
+        default: "",
+        doc: "Elastic mode: `host:port` of a store (a torch TCPStore server, such as `plait store`) that keeps the group's addresses, for `plait.elastic.join()` called without peers: the first process to find no group there founds one, the others join it. The group trains on if the store goes away; only joiners need it. Exclusive with PLAIT_JOIN.",
+        range: None,
+    },
+    Setting {
         name: "PLAIT_WITNESS",
         kind: "text",
         default: "",

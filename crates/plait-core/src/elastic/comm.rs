@@ -33,6 +33,10 @@ pub struct ElasticConfig {
     pub listen: String,
     /// Control addresses of members to ask for admission; empty founds a new group.
     pub peers: Vec<String>,
+    /// How long a joiner keeps dialling `peers` before it gives up on them (an address list
+    /// read from a directory may name a group that is gone); `None`: until `comm.timeout`.
+    /// Waiting to be admitted, once a member answered, still has all of `comm.timeout`.
+    pub dial_timeout: Option<Duration>,
     /// For a founder: the group's witness ("host:port" of `plait witness`), if any. Joiners learn
     /// it from the view.
     pub witness: Option<String>,
@@ -93,7 +97,9 @@ impl ElasticComm {
         };
         let joining = !cfg.peers.is_empty();
         let control = if joining {
-            Control::join(control_cfg, &cfg.listen, &cfg.peers, Instant::now() + cfg.comm.timeout)?
+            let deadline = Instant::now() + cfg.comm.timeout;
+            let dial_until = cfg.dial_timeout.map_or(deadline, |d| deadline.min(Instant::now() + d));
+            Control::join(control_cfg, &cfg.listen, &cfg.peers, dial_until, deadline)?
         } else {
             Control::found(control_cfg, &cfg.listen, cfg.witness.clone())?
         };

@@ -160,7 +160,8 @@ impl Control {
     /// Joins the group that a member at one of `peers` belongs to: returns once a view with
     /// this process in it is committed (at the members' next update point), or fails by
     /// `deadline`.
-    pub fn join(cfg: ControlConfig, listen: &str, peers: &[String], deadline: Instant) -> Result<Arc<Control>> {
+    /// Joins through `peers`, dialled until `dial_until`; admission is awaited until `deadline`.
+    pub fn join(cfg: ControlConfig, listen: &str, peers: &[String], dial_until: Instant, deadline: Instant) -> Result<Arc<Control>> {
         let listener = bind(listen)?;
         let me = fresh_id();
         let port = listener.local_addr()?.port();
@@ -184,7 +185,7 @@ impl Control {
                     }
                 }
             }
-            if Instant::now() + Duration::from_millis(100) >= deadline {
+            if Instant::now() + Duration::from_millis(100) >= dial_until {
                 break false;
             }
             std::thread::sleep(Duration::from_millis(100));
