@@ -74,7 +74,11 @@ class Directory:
         member (`make(peers, dial_timeout)` builds one)."""
         end = time.monotonic() + timeout
         tried: List[str] = []
+        why: Any = "the record kept changing hands"
         while True:
+            if time.monotonic() >= end:
+                raise RendezvousError(f"no group found or founded through the store's {self.key} within {timeout:g} s "
+                                      f"(last tried: {', '.join(tried) or 'nothing'}): {why}")
             rec, raw = self.read()
             if rec is None:
                 member = make([], None)
@@ -85,13 +89,10 @@ class Directory:
             contacts = [str(c) for c in rec["contacts"]]
             window = 2 * float(rec.get("period") or self.period)
             try:
-                return make(contacts, window)
+                return make(contacts, min(window, max(end - time.monotonic(), 0.001)))
             except RendezvousError as e:
-                tried = contacts
-                why = e
-            if time.monotonic() >= end:
-                raise RendezvousError(f"the store's group ({self.key}) did not answer at {', '.join(tried)}: {why}")
-            now, raw_now = self.read()
+                tried, why = contacts, e
+            _, raw_now = self.read()
             if raw_now == raw:
                 self.replace(raw, "")  # gone: the next one to look founds anew
 
