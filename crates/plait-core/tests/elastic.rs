@@ -103,3 +103,54 @@ fn members_join_at_update_points_and_go_on_without_one_that_leaves_mid_loop() {
         std::thread::sleep(Duration::from_millis(10));
     }
 }
+
+#[test]
+fn a_join_keeps_the_members_links_and_makes_new_ones_to_the_joiner_only() {
+    let founder = Arc::new(ElasticComm::start(config("t-grow", vec![])).unwrap());
+    let contact = founder.contact();
+    // The first joiner runs a step with the founder alone, then (as the second joiner) 9 steps
+    // once all three are in.
+    let member = |c: &ElasticComm, first: usize| {
+        while c.view().members.len() < first {
+            c.update().unwrap();
+        }
+        let (mut ok, mut lost) = if first == 2 { run_loop(c, 1, 257) } else { (0, 0) };
+        while c.view().members.len() < 3 {
+            c.update().unwrap();
+        }
+        let (o, l) = run_loop(c, 9, 257);
+        ok += o;
+        lost += l;
+        (ok, lost, c.routes())
+    };
+    let spawn_joiner = |first: usize| {
+        let contact = contact.clone();
+        std::thread::spawn(move || {
+            let c = ElasticComm::start(config("t-grow", vec![contact])).unwrap();
+            assert!(c.update().unwrap());
+            let out = member(&c, first);
+            c.close();
+            out
+        })
+    };
+    let first = spawn_joiner(2);
+    while founder.view().members.len() < 2 {
+        founder.update().unwrap();
+    }
+    let mut ok = run_loop(&founder, 1, 257).0;
+    let second = spawn_joiner(3);
+    while founder.view().members.len() < 3 {
+        founder.update().unwrap();
+    }
+    let (o, lost) = run_loop(&founder, 9, 257);
+    ok += o;
+    assert_eq!((ok, lost), (10, 0), "a join fails no operation");
+    let routes = founder.routes();
+    let to = |peer: usize| routes.iter().find(|r| r.peer == peer).map(|r| r.reason.clone()).unwrap_or_default();
+    assert!(to(1).contains("kept from epoch"), "the founder's link to the first joiner carries on: {routes:?}");
+    assert!(!to(2).contains("kept"), "the link to the new joiner is new: {routes:?}");
+    let (ok1, lost1, routes1) = first.join().unwrap();
+    let (ok2, lost2, _) = second.join().unwrap();
+    assert_eq!((ok1, lost1, ok2, lost2), (10, 0, 9, 0));
+    assert!(routes1.iter().any(|r| r.peer == 0 && r.reason.contains("kept from epoch")), "{routes1:?}");
+}

@@ -43,11 +43,26 @@ struct PeerInfo {
     key: String,
     /// The world size this rank was started with: a mismatch is named at the rendezvous.
     world: usize,
+    /// The ranks whose links this rank keeps from the last epoch (a grown mesh): a link is kept
+    /// only if both ends say so.
+    #[serde(default)]
+    kept: Vec<usize>,
+}
+
+/// What a mesh grown from the last epoch's takes over (elastic mode: members added at the end,
+/// the others' ranks unchanged, no operation under way): its session's links, mailbox and
+/// readers, the demux those links deliver to, and the link records.
+pub(crate) struct Kept {
+    pub session: Arc<Session>,
+    pub demux: Arc<Demux>,
+    pub routes: Vec<LinkRecord>,
 }
 
 /// The mesh of one epoch, ready for operations.
 pub(crate) struct Mesh {
     pub session: Arc<Session>,
+    /// Where the links deliver (a grown mesh takes it over).
+    pub demux: Arc<Demux>,
     /// Kept open for the communicator's life (None for a single rank).
     pub listener: Option<Listener>,
     /// This rank's link records, by peer.
@@ -86,6 +101,11 @@ pub(crate) fn heartbeat(timeout: Duration) -> Duration {
 }
 
 pub(crate) fn bootstrap(store: &dyn Store, cfg: &CommConfig) -> Result<Mesh> {
+    bootstrap_from(store, cfg, None)
+}
+
+/// `bootstrap`, keeping `kept`'s links: only the ranks it has no link to are connected.
+pub(crate) fn bootstrap_from(store: &dyn Store, cfg: &CommConfig, kept: Option<Kept>) -> Result<Mesh> {
     let (rank, size) = (cfg.rank, cfg.size);
     if size == 0 || rank >= size {
         return Err(PlaitError::invalid(format!("rank {rank} is out of range for world size {size}")));
@@ -134,15 +154,26 @@ pub(crate) fn bootstrap(store: &dyn Store, cfg: &CommConfig) -> Result<Mesh> {
         addrs,
         world: size,
         key: key_to_hex(&plan.auth.public_key()),
+        kept: kept.as_ref().map(|k| (0..k.session.size).filter(|&p| p != rank && k.session.links[p].is_some()).collect()).unwrap_or_default(),
     };
+    if let Some(k) = &kept {
+        // Before the record goes out: no peer sends this epoch's frames before it has it.
+        k.session.set_caller_progress(false);
+        k.session.mailbox.restart()?;
+        k.demux.detach();
+    }
     plan.publish(&format!("rank/{rank}"), &serde_json::to_vec(&me).unwrap())?;
 
-    let mailbox = Arc::new(Mailbox::with_limits(cfg.unexpected_bytes, cfg.timeout));
-    let groups = Arc::new(Groups::default());
-    let demux = Arc::new(Demux::new(mailbox.clone(), plan.heartbeat, Some(groups.clone())));
-    let mut session = Session::new(rank, size, mailbox, groups)?;
+    let (demux, mut session, mut routes) = match kept {
+        Some(k) => (k.demux, Session::grown(&k.session, size), k.routes),
+        None => {
+            let mailbox = Arc::new(Mailbox::with_limits(cfg.unexpected_bytes, cfg.timeout));
+            let groups = Arc::new(Groups::default());
+            let demux = Arc::new(Demux::new(mailbox.clone(), plan.heartbeat, Some(groups.clone())));
+            (demux, Session::new(rank, size, mailbox, groups)?, Vec::new())
+        }
+    };
     session.busy_poll = cfg.busy_poll;
-    let mut routes = Vec::new();
     let watching = std::sync::atomic::AtomicBool::new(true);
     let connected = std::thread::scope(|scope| {
         if let Some(give_up) = &cfg.give_up {
@@ -163,6 +194,7 @@ pub(crate) fn bootstrap(store: &dyn Store, cfg: &CommConfig) -> Result<Mesh> {
             });
         }
         let r = rendezvous(&plan, &me).and_then(|infos| {
+            check_kept(&session, &infos)?;
             if let Some(l) = &listener {
                 let higher: Vec<(u32, Vec<_>)> =
                     infos[rank + 1..].iter().map(|i| (i.rank as u32, i.addrs.iter().map(|a| a.ip).collect())).collect();
@@ -201,7 +233,25 @@ pub(crate) fn bootstrap(store: &dyn Store, cfg: &CommConfig) -> Result<Mesh> {
             }
         }
     }
-    Ok(Mesh { session, listener, routes, topology })
+    Ok(Mesh { session, demux, listener, routes, topology })
+}
+
+/// A link is kept only if both ends kept it: a rank whose last mesh failed (or that is new)
+/// connects afresh, and its peers must not wait on a link it no longer reads.
+fn check_kept(session: &Session, infos: &[PeerInfo]) -> Result<()> {
+    let rank = session.rank;
+    for info in infos.iter().filter(|i| i.rank != rank) {
+        let mine = session.links[info.rank].is_some();
+        let theirs = info.kept.contains(&rank);
+        if mine != theirs {
+            let (a, b) = if mine { ("kept", "did not") } else { ("did not keep", "did") };
+            return Err(PlaitError::Rendezvous(format!(
+                "this rank {a} its link to rank {} ({}) from the last epoch and that rank {b}: the next view builds its mesh afresh",
+                info.rank, info.host
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// Every rank's published record, in rank order. A rank started with another world size is
@@ -322,6 +372,9 @@ fn connect_mesh(
         Ok(())
     };
     for peer in 0..rank {
+        if session.links[peer].is_some() {
+            continue; // kept from the last epoch
+        }
         let info = &routing.infos[peer];
         let first = Hello { to: peer as u32, ..plan.hello.clone() };
         let (stream, route) = connect_first(&routing.candidates(peer)?, info, &first, &plan.auth, plan.deadline)?;
@@ -342,6 +395,9 @@ fn connect_mesh(
         start(peer, format!("{}:{}", route.peer_ip, info.port), streams, session)?;
     }
     for (peer, info) in routing.infos.iter().enumerate().skip(rank + 1) {
+        if session.links[peer].is_some() {
+            continue;
+        }
         let listener = listener.expect("a rank with peers listens");
         let stream = listener.accept_from(peer as u32, plan.deadline)?;
         let remote = stream.stream.peer_addr().map(|a| a.ip().to_canonical().to_string()).unwrap_or_default();

@@ -51,6 +51,8 @@ pub struct Communicator {
     threads: Arc<Threads>,
     /// A subgroup's owner, whose links it uses (kept open while the subgroup lives).
     owner: Option<Owner>,
+    /// Where the links deliver (the links' owner only): a grown mesh takes it over.
+    demux: Option<Arc<Demux>>,
 }
 
 struct Owner {
@@ -76,6 +78,10 @@ impl Communicator {
         // Settings are checked before anything is published, so a typo fails every rank at once.
         selector(&cfg, Topology::FullMesh)?;
         let mesh = bootstrap::bootstrap(store, &cfg)?;
+        Ok(Communicator::of_mesh(cfg, mesh)?)
+    }
+
+    fn of_mesh(cfg: CommConfig, mesh: bootstrap::Mesh) -> Result<Arc<Communicator>> {
         let cfg_threads = cfg.threads;
         Ok(Arc::new(Communicator {
             selector: selector(&cfg, mesh.topology)?,
@@ -89,7 +95,38 @@ impl Communicator {
             workers: Workers::new(),
             threads: Threads::new(cfg_threads),
             owner: None,
+            demux: Some(mesh.demux),
         }))
+    }
+
+    /// The next epoch's communicator when ranks were only added at the end (elastic mode, at an
+    /// update point): this one's links, mailbox and readers carry on with their ranks, and links
+    /// are made to the new ranks only (a link is kept where both ends kept it, see
+    /// `bootstrap_from`). This communicator is retired first: its calls are refused from then on,
+    /// and closing or aborting it leaves the links alone. It must be idle, unbroken and the owner of
+    /// its links, with `cfg` a larger world where this rank keeps its number.
+    pub fn grow(&self, store: &dyn Store, cfg: CommConfig) -> Result<Arc<Communicator>> {
+        cfg.validate()?;
+        self.usable()?;
+        let demux = match (&self.owner, &self.demux) {
+            (None, Some(d)) if cfg.rank == self.cfg.rank && cfg.size > self.cfg.size => d.clone(),
+            _ => return Err(PlaitError::Internal("grow: only an owner communicator grows, to a larger world, keeping its rank".into())),
+        };
+        if self.closed.swap(true, Ordering::SeqCst) {
+            return Err(PlaitError::Broken("the communicator was closed".into()));
+        }
+        self.workers.close();
+        if let Some(l) = self.listener.lock().take() {
+            l.close();
+        }
+        let routes = self
+            .routes
+            .iter()
+            .map(|r| LinkRecord { reason: format!("{} (kept from epoch {})", r.reason.split(" (kept from epoch ").next().unwrap_or(""), self.cfg.epoch), ..r.clone() })
+            .collect();
+        let kept = bootstrap::Kept { session: self.session.clone(), demux, routes };
+        let mesh = bootstrap::bootstrap_from(store, &cfg, Some(kept))?;
+        Communicator::of_mesh(cfg, mesh)
     }
 
     /// A communicator over `ranks` (ranks of this one; their order gives the new ranks) that
@@ -153,6 +190,7 @@ impl Communicator {
             workers: Workers::new(),
             threads: Threads::new(threads),
             owner: Some(Owner { comm: self.clone(), ranks: ranks.to_vec() }),
+            demux: None,
         }))
     }
 
@@ -178,6 +216,11 @@ impl Communicator {
     }
     pub fn listen_port(&self) -> Option<u16> {
         self.listener.lock().as_ref().map(|l| l.port())
+    }
+
+    /// Neither closed nor failed.
+    pub fn is_open(&self) -> bool {
+        self.usable().is_ok()
     }
 
     fn usable(&self) -> Result<()> {
@@ -376,6 +419,9 @@ impl Communicator {
     /// Ends every operation in flight (they fail with `Aborted`) and breaks the communicator.
     /// Safe from any thread.
     pub fn abort(&self, reason: &str) {
+        if self.closed.load(Ordering::SeqCst) {
+            return; // closed (its session has ended) or grown (its links are the next one's)
+        }
         self.session.fail(PlaitError::Aborted { op: String::new(), reason: reason.to_string() }, true);
     }
 

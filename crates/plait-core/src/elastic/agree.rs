@@ -68,8 +68,14 @@ pub struct Ballot {
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Msg {
-    /// Phase 1a, for epoch `epoch`.
-    Prepare { epoch: u64, ballot: Ballot },
+    /// Phase 1a, for epoch `epoch`. `forced`: the proposer leaves a member out (a hint for the
+    /// members' freeze, which ends their operations at once for such a change; the value decides).
+    Prepare {
+        epoch: u64,
+        ballot: Ballot,
+        #[serde(default)]
+        forced: bool,
+    },
     /// Phase 1b: the promise, with what this member already accepted for `epoch`, and its last
     /// completed operation of the current epoch (it completes no other once it has promised).
     Promise { epoch: u64, ballot: Ballot, accepted: Option<(Ballot, View)>, last_done: u64 },
@@ -135,7 +141,7 @@ impl Member {
         let ballot = Ballot { round: self.max_round, proposer: self.id };
         self.proposal = Some(Proposal { ballot, expect, joiners, leaving, forced, promises: BTreeMap::new(), value: None, accepted: BTreeSet::new() });
         let epoch = self.next_epoch();
-        self.view.voters().map(|m| (m, Msg::Prepare { epoch, ballot })).collect()
+        self.view.voters().map(|m| (m, Msg::Prepare { epoch, ballot, forced })).collect()
     }
 
     /// Waits for `id`'s promise too before choosing (a member suspected when the proposal

@@ -12,7 +12,7 @@
 //!   one that had not started it yet, so that every member's calls stay paired.
 
 use super::agree::{MemberId, View};
-use super::control::{Control, ControlConfig, Decision};
+use super::control::{Control, ControlConfig, Decision, Freeze};
 use crate::comm::{CommConfig, Communicator, GiveUp};
 use crate::dtype::{DType, ReduceOp};
 use crate::error::{PlaitError, Result};
@@ -20,6 +20,7 @@ use crate::exec::CollRequest;
 use crate::raw::{bytes, bytes_mut, RawBuf};
 use crate::store::Store;
 use parking_lot::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -56,6 +57,9 @@ struct Ops {
     /// calls stand, so every later call fails until it joins again.
     lost_track: Option<String>,
     mesh: Option<(Arc<Communicator>, Vec<MemberId>)>,
+    /// The last epoch's mesh, kept when the next view only adds members (a join): the next
+    /// mesh grows from it, so its links carry on (`Communicator::grow`).
+    grow_from: Option<Arc<Communicator>>,
     /// A joiner's first `update()` is the one that admitted it, already done by the members.
     admitted: bool,
     /// The memory of the last operation's saved output, reused (`SavedOutput`).
@@ -66,6 +70,10 @@ pub struct ElasticComm {
     control: Arc<Control>,
     template: CommConfig,
     ops: Mutex<Ops>,
+    /// Set while this member is in `update()`: there a proposal is most likely a join, which
+    /// keeps the mesh (its links carry on into the next view's), so the freeze does not abort it;
+    /// a forced change still does, once it is known to be forced.
+    in_update: Arc<AtomicBool>,
 }
 
 /// The store of one epoch's bootstrap: records replicated over the control links.
@@ -107,8 +115,8 @@ impl ElasticComm {
         // calls pair with the members' from the admitting epoch on.
         let epoch = control.first_epoch();
         let members = control.decision(epoch).map(|d| d.members).unwrap_or_default();
-        let ops = Ops { epoch, members, seq: 0, lost_track: None, mesh: None, admitted: joining, saved: Vec::new() };
-        Ok(ElasticComm { control, template: cfg.comm, ops: Mutex::new(ops) })
+        let ops = Ops { epoch, members, seq: 0, lost_track: None, mesh: None, grow_from: None, admitted: joining, saved: Vec::new() };
+        Ok(ElasticComm { control, template: cfg.comm, ops: Mutex::new(ops), in_update: Arc::new(AtomicBool::new(false)) })
     }
 
     /// The view this member is in now.
@@ -123,6 +131,11 @@ impl ElasticComm {
     /// Where this member's control plane can be reached (give it to joiners).
     pub fn contact(&self) -> String {
         self.control.contact().to_string()
+    }
+
+    /// The link records of the current view's mesh, once it is built (empty before).
+    pub fn routes(&self) -> Vec<crate::comm::LinkRecord> {
+        self.ops.lock().mesh.as_ref().map(|(c, _)| c.routes().to_vec()).unwrap_or_default()
     }
 
     /// Joiners this member knows of (a local answer: `update` asks every member).
@@ -205,6 +218,13 @@ impl ElasticComm {
         if std::mem::take(&mut self.ops.lock().admitted) {
             return Ok(true);
         }
+        self.in_update.store(true, Ordering::SeqCst);
+        let changed = self.update_point();
+        self.in_update.store(false, Ordering::SeqCst);
+        changed
+    }
+
+    fn update_point(&self) -> Result<bool> {
         // Only the leader's count: it admits the joiners it knows, and another member's stale
         // entry (a joiner that went away) must not turn every update into a view change.
         let leads = self.control.view().members.first() == Some(&self.control.me);
@@ -270,12 +290,25 @@ impl ElasticComm {
     }
 
     fn next_epoch(&self, ops: &mut Ops) {
-        if let Some((comm, _)) = ops.mesh.take() {
-            comm.close();
+        if let Some(unused) = ops.grow_from.take() {
+            unused.close();
         }
+        let last = ops.mesh.take();
         ops.epoch += 1;
         ops.seq = 0;
-        ops.members = self.control.decision(ops.epoch).map(|d| d.members).unwrap_or_default();
+        let decision = self.control.decision(ops.epoch);
+        ops.members = decision.as_ref().map(|d| d.members.clone()).unwrap_or_default();
+        if let Some((comm, members)) = last {
+            // Members only added (at the end, so every other rank stays) and nobody lost: the
+            // members' links carry on into the next mesh. Every member decides alike from the
+            // decision; a member whose mesh failed anyway says so at the next rendezvous.
+            let grows = decision.is_some_and(|d| !d.forced && d.members.len() > members.len() && d.members.starts_with(&members));
+            if grows && comm.is_open() {
+                ops.grow_from = Some(comm);
+            } else {
+                comm.close();
+            }
+        }
     }
 
     /// `PeerLost` for this member's current operation, moving its numbering to the next epoch.
@@ -313,10 +346,17 @@ impl ElasticComm {
         cfg.give_up = Some(GiveUp(Arc::new(move || control.moved_past(epoch))));
         let store = ViewStore { control: self.control.clone(), epoch: view.epoch };
         let started = Instant::now();
-        let comm = Communicator::new(&store, cfg)?;
+        let comm = match ops.grow_from.take() {
+            Some(last) => last.grow(&store, cfg)?,
+            None => Communicator::new(&store, cfg)?,
+        };
         tracing::info!("elastic: the mesh of epoch {} ({} members) took {:.1} ms", view.epoch, view.members.len(), started.elapsed().as_secs_f64() * 1e3);
         let weak = Arc::downgrade(&comm);
-        self.control.set_on_freeze(Some(Arc::new(move |why: &str| {
+        let in_update = self.in_update.clone();
+        self.control.set_on_freeze(Some(Arc::new(move |why: &str, freeze: Freeze| {
+            if freeze == Freeze::Proposed && in_update.load(Ordering::SeqCst) {
+                return;
+            }
             if let Some(c) = weak.upgrade() {
                 c.abort(&format!("{VIEW_CHANGE}: {why}"));
             }

@@ -77,8 +77,9 @@ struct State {
     /// Whether this member's proposal under way is forced (a non-forced one waits for every
     /// member it expects: nobody is suspected, so a late promise is no reason to leave one out).
     proposal_forced: bool,
-    /// The freeze hook to call once the state lock is released (`run_deferred`).
-    abort_pending: Option<String>,
+    /// The freeze hook to call once the state lock is released (`run_deferred`), with its
+    /// `Freeze`.
+    abort_pending: Option<(String, Freeze)>,
     heard: HashMap<MemberId, Instant>,
     said: HashMap<MemberId, Instant>,
     suspects: BTreeMap<MemberId, String>,
@@ -94,16 +95,30 @@ struct State {
     kv: HashMap<String, (u64, Vec<u8>)>,
     /// This member promised (or accepted) a change: no operation of this epoch completes here.
     frozen: bool,
+    /// The freeze hook was told the change under way is forced (once per epoch).
+    forced_told: bool,
     last_done: u64,
     proposed_at: Option<Instant>,
     trouble_since: Option<Instant>,
     /// Decisions of the epochs this member committed, by epoch.
     decisions: BTreeMap<u64, Decision>,
     evicted: Option<String>,
-    /// Called when this member freezes its epoch: ends the epoch's operations at once.
-    on_freeze: Option<Arc<dyn Fn(&str) + Send + Sync>>,
+    /// Called when this member freezes its epoch, and again when the change turns out forced:
+    /// ends the epoch's operations.
+    on_freeze: Option<FreezeHook>,
     closed: bool,
 }
+
+/// What the freeze hook is told about the change under way.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Freeze {
+    /// A change was proposed; whether it is forced (a member lost) is not known yet.
+    Proposed,
+    /// The change is forced (or this member was left out): the epoch's operations must end.
+    Forced,
+}
+
+pub(crate) type FreezeHook = Arc<dyn Fn(&str, Freeze) + Send + Sync>;
 
 pub(crate) struct Control {
     pub me: MemberId,
@@ -242,6 +257,7 @@ impl Control {
             pending: BTreeMap::new(),
             kv: HashMap::new(),
             frozen: false,
+            forced_told: false,
             last_done: 0,
             proposed_at: None,
             trouble_since: None,
@@ -286,7 +302,7 @@ impl Control {
         self.state.lock().pending.len()
     }
 
-    pub fn set_on_freeze(&self, f: Option<Arc<dyn Fn(&str) + Send + Sync>>) {
+    pub fn set_on_freeze(&self, f: Option<FreezeHook>) {
         self.state.lock().on_freeze = f;
     }
 
@@ -296,12 +312,12 @@ impl Control {
         let (hook, why) = {
             let mut st = self.state.lock();
             match st.abort_pending.take() {
-                Some(why) => (st.on_freeze.clone(), why),
+                Some(pending) => (st.on_freeze.clone(), pending),
                 None => return,
             }
         };
         if let Some(f) = hook {
-            f(&why);
+            f(&why.0, why.1);
         }
     }
 
@@ -788,7 +804,8 @@ impl Control {
             }
             let next = st.agree.view.epoch + 1;
             if matches!(&msg, Msg::Prepare { epoch, .. } | Msg::Accept { epoch, .. } if *epoch == next) && st.agree.view.members.contains(&from) {
-                self.freeze(st, "a member proposes the next view");
+                let forced = matches!(&msg, Msg::Prepare { forced: true, .. }) || matches!(&msg, Msg::Accept { view, .. } if view.forced);
+                self.freeze(st, "a member proposes the next view", if forced { Freeze::Forced } else { Freeze::Proposed });
             }
             let before = st.agree.view.epoch;
             let out = st.agree.handle(from, msg);
@@ -805,13 +822,14 @@ impl Control {
         }
     }
 
-    fn freeze(&self, st: &mut State, why: &str) {
-        if st.frozen || !st.member {
+    fn freeze(&self, st: &mut State, why: &str, kind: Freeze) {
+        if !st.member || (st.frozen && (kind == Freeze::Proposed || st.forced_told)) {
             return;
         }
         st.frozen = true;
         st.agree.last_done = st.last_done;
-        st.abort_pending = Some(why.to_string());
+        st.forced_told |= kind == Freeze::Forced;
+        st.abort_pending = Some((why.to_string(), kind));
         self.changed.notify_all();
     }
 
@@ -836,14 +854,20 @@ impl Control {
                     "epoch {} was agreed without it (it was cut off or silent for longer than the heartbeat timeout); join again",
                     view.epoch
                 ));
-                st.abort_pending = Some("this member was evicted".into());
+                st.abort_pending = Some(("this member was evicted".into(), Freeze::Forced));
             }
             self.changed.notify_all();
             return;
         }
         tracing::info!("elastic: member {:x} commits epoch {} with {} members (done {}, forced {})", self.me, view.epoch, view.members.len(), view.done, view.forced);
+        if view.forced && st.member && !st.forced_told {
+            // A member that kept its mesh through the proposal (at an update point, where only
+            // a join is proposed without a failure) ends it now.
+            st.abort_pending = Some((format!("epoch {} was agreed without a member", view.epoch), Freeze::Forced));
+        }
         st.member = true;
         st.frozen = false;
+        st.forced_told = false;
         st.last_done = 0;
         st.suspects.clear();
         st.told.clear();
@@ -1036,7 +1060,7 @@ impl Control {
             return; // a proposal of ours is under way
         }
         let forced = !suspects.is_empty() || st.wanted == Some(true) || !st.leaving.is_empty();
-        self.freeze(st, "this member proposes the next view");
+        self.freeze(st, "this member proposes the next view", if forced { Freeze::Forced } else { Freeze::Proposed });
         let expect: BTreeSet<MemberId> = alive.into_iter().collect();
         // Joiners come in only at an update point, where no operation is under way: after a
         // failure, the members' next calls are the lost operation's, not the joiner's first.

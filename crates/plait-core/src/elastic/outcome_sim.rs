@@ -23,6 +23,7 @@
 
 use super::agree::{MemberId, Msg, View, WITNESS};
 use super::sim_rng::Rng;
+use super::control::Freeze;
 use std::collections::{BTreeMap, BTreeSet, BinaryHeap};
 
 mod control;
@@ -346,7 +347,12 @@ impl World {
             }
             Ev::Hook(id) => {
                 let p = self.procs.get_mut(&id).expect("known");
-                if std::mem::take(&mut p.ctl.abort_pending) {
+                if let Some(freeze) = p.ctl.abort_pending.take() {
+                    // `ElasticComm`'s hook: at an update point a proposal is let be until it turns
+                    // out forced (a join keeps the mesh, whose links the next one grows from).
+                    if freeze == Freeze::Proposed && p.user.in_update {
+                        return;
+                    }
                     if let Some(e) = p.user.hook {
                         self.abort_mesh(e, id, true);
                     }
@@ -369,7 +375,7 @@ impl World {
             self.note(|| format!("{now}: {id} proposes epoch {} (suspects {suspects:?}, leaving {leaving:?})", epoch + 1));
         }
         let p = self.procs.get_mut(&id).expect("known");
-        let hook = p.ctl.abort_pending;
+        let hook = p.ctl.abort_pending.is_some();
         let adopted = (p.ctl.view().epoch != epoch).then(|| p.ctl.view().clone());
         let leaving = p.ctl.leaving.contains(&id);
         let newly_evicted = p.ctl.evicted && !evicted;

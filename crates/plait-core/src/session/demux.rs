@@ -53,6 +53,12 @@ impl Demux {
         }
     }
 
+    /// Lets go of the session it delivered to (a grown mesh's is not built yet): pings are
+    /// held for the next `attach`, and failures kept for it, as during a first start-up.
+    pub(crate) fn detach(&self) {
+        *self.session.lock() = Weak::new();
+    }
+
     pub(crate) fn attach(&self, session: &Arc<Session>) {
         {
             // Hold the slot while answering early pings, so a ping arriving now waits its turn.

@@ -326,6 +326,26 @@ impl Mailbox {
         removed
     }
 
+    /// Starts the call numbering over, for the next epoch's mesh grown from this one (elastic
+    /// mode): its calls count from 1 again. Only while nothing is held, posted or parked: any
+    /// frame here now could be taken for one of the new epoch's calls. The peers send none of
+    /// those before this rank publishes its record, which it does after this.
+    pub fn restart(&self) -> Result<(), PlaitError> {
+        let mut inner = self.inner.lock();
+        if let Some(e) = &inner.broken {
+            return Err(e.clone());
+        }
+        if !inner.posted.is_empty() || !inner.stash.is_empty() || !inner.parked.is_empty() || !inner.any_source.is_empty() {
+            return Err(PlaitError::Internal("the last epoch's mesh still holds frames or receives: it cannot carry on into the next".into()));
+        }
+        inner.finished_below = 0;
+        inner.finished_above.clear();
+        inner.refused.clear();
+        inner.dropped.clear();
+        inner.p2p_next.clear();
+        Ok(())
+    }
+
     /// Fails every posted receive and refuses new ones.
     pub fn fail(&self, err: &PlaitError) {
         let (posted, any): (Vec<_>, Vec<_>) = {

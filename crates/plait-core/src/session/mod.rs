@@ -109,6 +109,17 @@ impl Session {
         Ok(Session::with(rank, size, 0, (0..size).map(|_| None).collect(), Arc::new(reading), groups, mailbox))
     }
 
+    /// The owner session of a mesh grown from `prev` (elastic mode, members added at the end):
+    /// `prev`'s links keep their ranks, and its mailbox, readers and subgroups carry on; the new
+    /// ranks' links are attached with `attach_link`. `prev` must never be used again.
+    pub fn grown(prev: &Session, size: usize) -> Session {
+        let mut links = prev.links.clone();
+        links.resize(size, None);
+        let mut s = Session::with(prev.rank, size, 0, links, prev.reading.clone(), prev.groups.clone(), prev.mailbox.clone());
+        s.busy_poll = prev.busy_poll;
+        s
+    }
+
     /// A subgroup of `owner` on its links: `ranks[g]` is the owner rank of group rank `g`.
     pub fn subgroup(owner: &Session, group: u64, ranks: &[usize], mailbox: Arc<Mailbox>) -> Session {
         let links = ranks.iter().map(|&r| owner.links[r].clone()).collect();
@@ -142,7 +153,12 @@ impl Session {
     pub fn attach_link(&mut self, peer: usize, link: Arc<PeerLink>) -> std::io::Result<()> {
         // Kept first, so that a failure below still has the link shut down with the others.
         self.links[peer] = Some(link.clone());
+        let _switching = self.reading.switch.lock();
         self.reading.links.lock().push(link.clone());
+        // A grown mesh's links may already be read by callers: a new one follows them.
+        if self.reading.on.load(Ordering::Acquire) {
+            link.set_caller_mode(true);
+        }
         link.join_caller_poll(&self.reading.callers)
     }
 

@@ -104,6 +104,10 @@ impl Stash {
         self.held.values().sum()
     }
 
+    pub fn is_empty(&self) -> bool {
+        self.calls.values().all(BTreeMap::is_empty)
+    }
+
     #[cfg(test)]
     pub fn len(&self) -> usize {
         self.calls.values().map(BTreeMap::len).sum()

@@ -5,6 +5,7 @@
 
 use super::{Local, Out, Time, Wire, HB};
 use crate::elastic::agree::{Member, MemberId, Msg, View, WITNESS};
+use crate::elastic::control::Freeze;
 use std::collections::{BTreeMap, BTreeSet};
 
 /// `control::Decision`: an epoch's outcome for the operations of the epoch before it.
@@ -29,13 +30,15 @@ pub(super) struct Control {
     pub leaving: BTreeSet<MemberId>,
     pub pending: BTreeSet<MemberId>,
     pub frozen: bool,
+    forced_told: bool,
     last_done: u64,
     pub proposed_at: Option<Time>,
     trouble_since: Option<Time>,
     pub decisions: BTreeMap<u64, Decision>,
     pub evicted: bool,
-    /// The freeze hook is due (`run_deferred`): the world aborts this process's mesh.
-    pub abort_pending: bool,
+    /// The freeze hook is due (`run_deferred`), told this: the world aborts this process's mesh
+    /// unless it is a proposal that finds the member in `update()`.
+    pub abort_pending: Option<Freeze>,
     pub closed: bool,
     next_heartbeat: Time,
 }
@@ -60,7 +63,8 @@ impl Control {
             trouble_since: None,
             decisions: BTreeMap::new(),
             evicted: false,
-            abort_pending: false,
+            abort_pending: None,
+            forced_told: false,
             closed: false,
             next_heartbeat: 0,
         }
@@ -225,7 +229,8 @@ impl Control {
             }
             let next = self.agree.view.epoch + 1;
             if matches!(&msg, Msg::Prepare { epoch, .. } | Msg::Accept { epoch, .. } if *epoch == next) && self.agree.view.members.contains(&from) {
-                self.freeze();
+                let forced = matches!(&msg, Msg::Prepare { forced: true, .. }) || matches!(&msg, Msg::Accept { view, .. } if view.forced);
+                self.freeze(if forced { Freeze::Forced } else { Freeze::Proposed });
             }
             let before = self.agree.view.clone();
             for (to, m) in self.agree.handle(from, msg) {
@@ -241,13 +246,14 @@ impl Control {
         }
     }
 
-    fn freeze(&mut self) {
-        if self.frozen || !self.member {
+    fn freeze(&mut self, kind: Freeze) {
+        if !self.member || (self.frozen && (kind == Freeze::Proposed || self.forced_told)) {
             return;
         }
         self.frozen = true;
         self.agree.last_done = self.last_done;
-        self.abort_pending = true;
+        self.forced_told |= kind == Freeze::Forced;
+        self.abort_pending = Some(kind);
     }
 
     /// `Control::adopted`: a new view was committed here.
@@ -259,12 +265,16 @@ impl Control {
         if !view.members.contains(&self.me) {
             if self.member {
                 self.evicted = true;
-                self.abort_pending = true;
+                self.abort_pending = Some(Freeze::Forced);
             }
             return;
         }
+        if view.forced && self.member && !self.forced_told {
+            self.abort_pending = Some(Freeze::Forced);
+        }
         self.member = true;
         self.frozen = false;
+        self.forced_told = false;
         self.last_done = 0;
         self.suspects.clear();
         self.told.clear();
@@ -352,7 +362,7 @@ impl Control {
             return;
         }
         let forced = !suspects.is_empty() || self.wanted == Some(true) || !self.leaving.is_empty();
-        self.freeze();
+        self.freeze(if forced { Freeze::Forced } else { Freeze::Proposed });
         let expect: BTreeSet<MemberId> = alive.into_iter().collect();
         let joiners: Vec<(MemberId, String)> = if forced { Vec::new() } else { self.pending.iter().map(|m| (*m, format!("m{m}"))).collect() };
         self.proposed_at = Some(now);

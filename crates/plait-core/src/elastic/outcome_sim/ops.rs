@@ -99,6 +99,8 @@ pub(super) struct User {
     pub log: Vec<Record>,
     /// The loop is `update(); allreduce`: whether the last call was the update.
     updated_last: bool,
+    /// Inside `update()` (`ElasticComm::in_update`).
+    pub in_update: bool,
     /// Set by the chaos driver: this member calls `close()` after this many calls.
     pub leave_after: Option<usize>,
 }
@@ -118,7 +120,7 @@ impl User {
     }
 
     fn new(ops: Ops, step: Step) -> User {
-        User { ops, step, call: None, hook: None, log: Vec::new(), updated_last: false, leave_after: None }
+        User { ops, step, call: None, hook: None, log: Vec::new(), updated_last: false, in_update: false, leave_after: None }
     }
 }
 
@@ -177,6 +179,7 @@ impl World {
     /// The loop: `update(); allreduce`, until the chaos driver asks this member to leave.
     fn next_call(&mut self, id: MemberId) {
         let u = self.user(id);
+        u.in_update = false;
         if u.leave_after.is_some_and(|n| u.log.len() >= n) {
             return self.close(id);
         }
@@ -194,6 +197,7 @@ impl World {
             self.user(id).log.push(Record { kind: Kind::Update, op: None, outcome: Outcome::Admitted });
             return self.go(id, Step::Idle);
         }
+        self.user(id).in_update = true;
         let ctl = &self.procs[&id].ctl;
         let leads = ctl.view().members.first() == Some(&id);
         let waiting = if leads { ctl.pending.len() as i64 } else { 0 };
