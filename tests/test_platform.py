@@ -707,10 +707,10 @@ def test_doctor_names_the_pair_that_cannot_connect_even_when_another_rank_quotes
     """A rank whose peer failed to connect may report that peer's error ("peer rank 2 (...) failed:
     could not connect to rank 1"): the unreachable pair is still 2 and 1, not the quoting rank."""
     infos, measures = _per_port_world()
-    relayed = ("allreduce #0: peer rank 2 (10.0.13.2:40000) failed: could not connect to rank 1 (mini-b): "
+    relayed = ("allreduce #0: peer rank 2 (10.0.13.2:40000) failed: rendezvous: could not connect to rank 1 (mini-b): "
                "10.0.23.2 -> 10.0.23.1: timed out")
     measures[0] = {"error": {"type": "PeerError", "message": relayed, "stage": "connect"}}
-    measures[2] = {"error": {"type": "RendezvousError", "message": "could not connect to rank 1 (mini-b): timed out",
+    measures[2] = {"error": {"type": "RendezvousError", "message": "rendezvous: could not connect to rank 1 (mini-b): timed out",
                              "stage": "connect"}}
     rep = doctor.build_report(3, infos, measures, [])
     culprits = [w for w in rep["warnings"] if w["code"] == "unreachable_peer"]

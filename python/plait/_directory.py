@@ -4,29 +4,42 @@ PLAIT_JOIN_STORE).
 
 The store is a directory, never a master: members do not use it to agree on anything, and a group
 whose store dies trains on; only processes that join through it cannot find the group until it
-is back. Any object with torch's c10d Store calls serves (`get`, `set`, `check`, `compare_set`:
-torch's TCPStore, FileStore, PrefixStore); a "host:port" string opens a TCPStore client (torch).
+is back. Any object with torch's c10d Store calls serves (`get`, `check`, `compare_set`: torch's
+TCPStore, FileStore, PrefixStore); a "host:port" string opens a TCPStore client (torch).
 
 The record (JSON under `plait/elastic/<group>/contacts`) lists the members' control addresses,
-most senior first. The most senior member rewrites it every `period` seconds (its `beat` counts
-up), so a record that stops moving belongs to a group that is gone. Who founds a group is decided
-by the store's compare-and-set: of two processes that find no record, one founds and the other
-joins it. A joiner clears a record only when none of its addresses answered for two periods and
-the record did not move meanwhile: a group that lives but is out of this joiner's reach keeps it.
+most senior first, and their ids. The most senior member rewrites it every `period` seconds (its
+`beat` counts up), so a record that stops moving belongs to a group that is gone. Every write is
+a compare-and-set from the value last read:
+
+- founding: a process that finds nothing claims the record first (a placeholder naming it) and
+  only then founds, so of processes started at once exactly one founds, and no other ever starts
+  a group (or talks to the group's witness);
+- a claim or record that does not move for two periods while none of its addresses answers is
+  cleared, and the next process to look founds anew; a group that lives but is out of this
+  process's reach keeps moving its record, so it keeps it;
+- the senior member writes over its own group's record (its members overlap) and never over
+  another's: if the store was emptied and another group founded meanwhile, the old group stops
+  publishing instead of fighting over the key (both groups go on; newcomers find the new one).
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import secrets
 import threading
 import time
+import weakref
 from datetime import timedelta
 from typing import Any, Callable, List, Optional, Tuple
 
-from ._core import RendezvousError
+from ._core import ConfigError, RendezvousError
 
 # How long a store call may take: the store serves joiners only, never the training loop.
 _STORE_TIMEOUT = timedelta(seconds=10)
+
+log = logging.getLogger("plait.elastic")
 
 
 def open_store(store: Any) -> Any:
@@ -50,14 +63,13 @@ class Directory:
         self._thread: Optional[threading.Thread] = None
 
     def read(self) -> Tuple[Optional[dict], str]:
-        """The record (None when there is none or it was cleared) and its raw text."""
+        """The record with contacts (None for none, a claim or an unreadable one) and the raw text
+        ("" when there is nothing)."""
         if not self.store.check([self.key]):
             return None, ""
         raw = _text(self.store.get(self.key))
-        if not raw:
-            return None, ""
         try:
-            rec = json.loads(raw)
+            rec = json.loads(raw) if raw else None
         except ValueError:
             return None, raw
         return (rec if isinstance(rec, dict) and rec.get("contacts") else None), raw
@@ -66,47 +78,83 @@ class Directory:
         """Sets the record to `desired` if it is still `expected` ("" also when there is none)."""
         return _text(self.store.compare_set(self.key, expected, desired)) == desired
 
-    def record(self, contacts: List[str], epoch: int, beat: int) -> str:
-        return json.dumps({"contacts": contacts, "epoch": epoch, "beat": beat, "period": self.period})
+    def record(self, member: Any, beat: int) -> str:
+        return json.dumps({"contacts": list(member.contacts), "members": list(member.members), "epoch": member.epoch,
+                           "beat": beat, "period": self.period})
+
+    def _stale(self, raw: str, since: float, window: float) -> bool:
+        """Whether `raw` (read at `since`) stayed as it was for `window`: waits out what is left."""
+        time.sleep(max(0.0, since + window - time.monotonic()))
+        return self.read()[1] == raw
 
     def join(self, make: Callable[..., Any], timeout: float) -> Any:
         """Founds the group if the store names none, else joins the one it names; returns the
         member (`make(peers, dial_timeout)` builds one)."""
         end = time.monotonic() + timeout
         tried: List[str] = []
-        why: Any = "the record kept changing hands"
+        why: Any = "the record kept changing"
         while True:
             if time.monotonic() >= end:
                 raise RendezvousError(f"no group found or founded through the store's {self.key} within {timeout:g} s "
                                       f"(last tried: {', '.join(tried) or 'nothing'}): {why}")
             rec, raw = self.read()
+            seen = time.monotonic()
+            if not raw:
+                claim = json.dumps({"claim": secrets.token_hex(8), "period": self.period})
+                if not self.replace("", claim):
+                    continue  # another process claimed it first: join what it founds
+                try:
+                    member = make([], None)
+                except BaseException:
+                    self.replace(claim, "")
+                    raise
+                if not self.replace(claim, self.record(member, 0)):
+                    log.warning("plait elastic: this group's claim on %s was cleared while it was founded; "
+                                "joiners through the store will not find it", self.key)
+                return member
+            window = 2 * float((rec or _loads(raw)).get("period") or self.period)
             if rec is None:
-                member = make([], None)
-                if self.replace(raw, self.record([member.contact], member.epoch, 0)):
-                    return member
-                member.close()  # another process founded first: join that one
+                # Another process is founding: its record comes once it has; a claim that never
+                # turns into one belongs to a process that died meanwhile.
+                if seen + window > end:
+                    time.sleep(max(0.0, min(self.period / 4, end - time.monotonic())))
+                elif self._stale(raw, seen, window):
+                    self.replace(raw, "")
                 continue
             contacts = [str(c) for c in rec["contacts"]]
-            window = 2 * float(rec.get("period") or self.period)
             try:
-                return make(contacts, min(window, max(end - time.monotonic(), 0.001)))
-            except RendezvousError as e:
+                return make(contacts, min(window, max(end - seen, 0.001)))
+            except (RendezvousError, ConfigError) as e:  # nobody answered, or someone else now has the address
                 tried, why = contacts, e
-            _, raw_now = self.read()
-            if raw_now == raw:
+            if seen + window <= end and self._stale(raw, seen, window):
                 self.replace(raw, "")  # gone: the next one to look founds anew
 
-    def publish_while(self, member: Any) -> None:
-        """Keeps the record current from a background thread: written while `member` is the most
-        senior member of its view, every period."""
+    def publish_while(self, comm: Any) -> None:
+        """Keeps the record current from a background thread while `comm` (an
+        ElasticCommunicator, held weakly) is the most senior member of its view."""
+        ref = weakref.ref(comm)
 
         def run():
-            beat = 0
+            beat, warned = 0, False
             while not self._stop.wait(self.period):
+                c = ref()
+                if c is None:
+                    return
+                member = c._comm
+                del c
                 try:
-                    if member.rank == 0:
-                        beat += 1
-                        self.store.set(self.key, self.record(list(member.contacts), member.epoch, beat))
+                    if member.rank != 0:
+                        continue
+                    rec, raw = self.read()
+                    ours = rec is not None and set(rec.get("members") or ()) & set(member.members)
+                    if raw and not ours:
+                        if not warned:
+                            warned = True
+                            log.warning("plait elastic: the store's %s names another group; this group no longer "
+                                        "publishes its addresses there", self.key)
+                        continue
+                    beat += 1
+                    self.replace(raw, self.record(member, beat))
                 except Exception:  # a store that is down only stops joiners; it is retried
                     continue
 
@@ -115,7 +163,17 @@ class Directory:
 
     def stop(self) -> None:
         self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=_STORE_TIMEOUT.total_seconds() + self.period)
 
 
 def _text(v: Any) -> str:
     return v.decode() if isinstance(v, (bytes, bytearray)) else str(v)
+
+
+def _loads(raw: str) -> dict:
+    try:
+        rec = json.loads(raw)
+    except ValueError:
+        return {}
+    return rec if isinstance(rec, dict) else {}

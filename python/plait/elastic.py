@@ -95,9 +95,9 @@ def join(peers: Optional[Sequence[str]] = None, *, listen: Optional[str] = None,
         return _core.Elastic(peers=peers, listen=listen, group=group, **kw, **extra)
 
     core = directory.join(make, float(timeout if timeout is not None else _core.setting("PLAIT_TIMEOUT") or 300.0))
-    directory.publish_while(core)
     comm = ElasticCommunicator(core)
     comm._directory = directory
+    directory.publish_while(comm)
     return comm
 
 

@@ -32,7 +32,7 @@ pub use comm::{
     Work, ARGUMENTS, SETTINGS,
 };
 pub use dtype::{DType, ReduceOp};
-pub use elastic::{ElasticComm, ElasticConfig, Witness};
+pub use elastic::{ElasticComm, ElasticConfig, View, Witness};
 pub use error::{PlaitError, Result};
 pub use exec::CollRequest;
 pub use net::frame::RESERVED_TAGS;

@@ -261,6 +261,15 @@ struct PyElastic {
     comm: Arc<ElasticComm>,
 }
 
+impl PyElastic {
+    /// The current view, read without the GIL: the control plane's lock may be held a moment
+    /// by its driver, and other Python threads go on meanwhile.
+    fn view(&self, py: Python<'_>) -> plait_core::View {
+        let comm = self.comm.clone();
+        py.allow_threads(move || comm.view())
+    }
+}
+
 #[pymethods]
 impl PyElastic {
     /// Founds a group (no `peers`) or joins the group of a member at one of `peers`; returns once
@@ -292,22 +301,22 @@ impl PyElastic {
     }
 
     #[getter]
-    fn rank(&self) -> usize {
-        let view = self.comm.view();
-        view.members.iter().position(|&m| m == self.comm.member_id()).unwrap_or(usize::MAX)
+    fn rank(&self, py: Python<'_>) -> usize {
+        let me = self.comm.member_id();
+        self.view(py).members.iter().position(|&m| m == me).unwrap_or(usize::MAX)
     }
     #[getter]
-    fn size(&self) -> usize {
-        self.comm.view().members.len()
+    fn size(&self, py: Python<'_>) -> usize {
+        self.view(py).members.len()
     }
     #[getter]
-    fn epoch(&self) -> u64 {
-        self.comm.view().epoch
+    fn epoch(&self, py: Python<'_>) -> u64 {
+        self.view(py).epoch
     }
     /// The members of the current view, most senior first (ids as hex).
     #[getter]
-    fn members(&self) -> Vec<String> {
-        self.comm.view().members.iter().map(|m| format!("{m:x}")).collect()
+    fn members(&self, py: Python<'_>) -> Vec<String> {
+        self.view(py).members.iter().map(|m| format!("{m:x}")).collect()
     }
     #[getter]
     fn member_id(&self) -> String {
@@ -320,8 +329,8 @@ impl PyElastic {
     }
     /// Every member's control address in the current view, most senior first.
     #[getter]
-    fn contacts(&self) -> Vec<String> {
-        let view = self.comm.view();
+    fn contacts(&self, py: Python<'_>) -> Vec<String> {
+        let view = self.view(py);
         view.members.iter().filter_map(|m| view.contacts.get(m).cloned()).collect()
     }
     /// Joiners this member knows of (a local answer).

@@ -505,7 +505,7 @@ def build_report(n, infos, measures, missing, *, master_addr=None, master_port=N
     culprits = []
     for r, m in enumerate(measures):
         msg = ((m or {}).get("error") or {}).get("message", "")
-        relayed = re.search(r"rank (\d+)(?: \([^)]*\))? failed: could not connect to rank (\d+)", msg)
+        relayed = re.search(r"rank (\d+)(?: \([^)]*\))? failed: (?:rendezvous: )?could not connect to rank (\d+)", msg)
         hit = re.search(r"could not connect to rank (\d+)", msg)
         pair = (int(relayed.group(1)), int(relayed.group(2))) if relayed else (r, int(hit.group(1))) if hit else None
         if pair and pair not in culprits:

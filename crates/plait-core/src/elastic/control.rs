@@ -188,15 +188,31 @@ impl Control {
         let mut why: Vec<String> = Vec::new();
         let linked = 'dial: loop {
             for peer in peers {
-                match control.dial_join(peer, port) {
-                    Ok(()) => break 'dial true,
-                    Err(e @ PlaitError::Config(_)) => {
-                        control.close();
-                        return Err(e);
-                    }
+                // Each address of a name in turn: one of them may be a process that is not (or no
+                // longer) a member, or this joiner itself, and the members are behind the others.
+                let addrs: Vec<String> = match peer.to_socket_addrs() {
+                    Ok(a) => a.map(|a| a.to_string()).collect(),
                     Err(e) => {
                         why.retain(|w| !w.starts_with(&format!("{peer}:")));
-                        why.push(format!("{peer}: {e}"));
+                        why.push(format!("{peer}: cannot resolve it: {e}"));
+                        continue;
+                    }
+                };
+                for addr in &addrs {
+                    match control.dial_join(addr, port) {
+                        Ok(()) => break 'dial true,
+                        Err(e @ PlaitError::Config(_)) => {
+                            control.close();
+                            return Err(e);
+                        }
+                        Err(e) => {
+                            let at = if addr == peer { peer.clone() } else { format!("{peer} ({addr})") };
+                            why.retain(|w| !w.starts_with(&format!("{at}:")));
+                            why.push(format!("{at}: {e}"));
+                        }
+                    }
+                    if Instant::now() >= dial_until {
+                        break;
                     }
                 }
             }

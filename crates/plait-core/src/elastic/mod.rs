@@ -18,4 +18,5 @@ mod sim_rng;
 #[cfg(test)]
 mod outcome_sim;
 
+pub use agree::View;
 pub use comm::{ElasticComm, ElasticConfig, Witness};
