@@ -365,16 +365,26 @@ def test_processes_started_alike_find_one_group_through_a_store_and_a_gone_group
     env.pop("PLAIT_JOIN", None)
     procs, views = [], {}
 
+    import queue
+    import threading
+
+    lines = {}
+
     def start():
         p = subprocess.Popen([sys.executable, "-c", _STORE_WORKER, str(stop)], env=env, stdout=subprocess.PIPE, text=True)
         procs.append(p)
+        lines[p] = queue.Queue()
+        threading.Thread(target=lambda: [lines[p].put(x) for x in p.stdout] + [lines[p].put("")], daemon=True).start()
         return p
 
     def latest(p, want):
-        """Reads `p`'s views until one with `want` members."""
+        """Reads `p`'s views until one with `want` members (a silent worker fails the test, not hangs it)."""
         end = time.time() + 30
         while time.time() < end:
-            line = p.stdout.readline()
+            try:
+                line = lines[p].get(timeout=max(0.01, end - time.time()))
+            except queue.Empty:
+                break
             if not line:
                 break
             v = json.loads(line)

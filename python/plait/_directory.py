@@ -56,11 +56,17 @@ def open_store(store: Any) -> Any:
 
 class Directory:
     def __init__(self, store: Any, group: str, period: float) -> None:
-        self.store = store
+        # A store given by address is opened again when its connection breaks (a restarted
+        # server, a dropped connection); a store object is the caller's to mend.
+        self._address = store if isinstance(store, str) else None
+        self.store = open_store(store)
         self.key = f"plait/elastic/{group}/contacts"
         self.period = period
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
+        # Every member this process has seen in its group: a record naming any of them is its
+        # group's, however long ago it was written (its writer may have died since).
+        self._known: set = set()
 
     def read(self) -> Tuple[Optional[dict], str]:
         """The record with contacts (None for none, a claim or an unreadable one) and the raw text
@@ -108,6 +114,7 @@ class Directory:
                 except BaseException:
                     self.replace(claim, "")
                     raise
+                self._known.update(member.members)
                 if not self.replace(claim, self.record(member, 0)):
                     log.warning("plait elastic: this group's claim on %s was cleared while it was founded; "
                                 "joiners through the store will not find it", self.key)
@@ -123,7 +130,10 @@ class Directory:
                 continue
             contacts = [str(c) for c in rec["contacts"]]
             try:
-                return make(contacts, min(window, max(end - seen, 0.001)))
+                member = make(contacts, min(window, max(end - seen, 0.001)))
+                self._known.update(rec.get("members") or ())
+                self._known.update(member.members)
+                return member
             except (RendezvousError, ConfigError) as e:  # nobody answered, or someone else now has the address
                 tried, why = contacts, e
             if seen + window <= end and self._stale(raw, seen, window):
@@ -135,7 +145,7 @@ class Directory:
         ref = weakref.ref(comm)
 
         def run():
-            beat, warned = 0, False
+            beat, warned, failed = 0, False, False
             while not self._stop.wait(self.period):
                 c = ref()
                 if c is None:
@@ -143,10 +153,11 @@ class Directory:
                 member = c._comm
                 del c
                 try:
+                    self._known.update(member.members)
                     if member.rank != 0:
                         continue
                     rec, raw = self.read()
-                    ours = rec is not None and set(rec.get("members") or ()) & set(member.members)
+                    ours = rec is not None and set(rec.get("members") or ()) & self._known
                     if raw and not ours:
                         if not warned:
                             warned = True
@@ -155,8 +166,18 @@ class Directory:
                         continue
                     beat += 1
                     self.replace(raw, self.record(member, beat))
-                except Exception:  # a store that is down only stops joiners; it is retried
+                except Exception as e:  # a store that is down only stops joiners; it is retried
+                    if self._address is not None:
+                        try:
+                            self.store = open_store(self._address)
+                        except Exception:
+                            pass
+                    if not failed:
+                        failed = True
+                        log.warning("plait elastic: cannot publish this group's addresses to the store (%s); "
+                                    "retrying every %g s", e, self.period)
                     continue
+                failed = False
 
         self._thread = threading.Thread(target=run, name="plait-directory", daemon=True)
         self._thread.start()

@@ -85,10 +85,10 @@ def join(peers: Optional[Sequence[str]] = None, *, listen: Optional[str] = None,
     listen, group = _str(listen, w, "listen"), _str(group, w, "group")
     if store is None:
         return ElasticCommunicator(_core.Elastic(peers=peers, listen=listen, group=group, **kw))
-    from ._directory import Directory, open_store
+    from ._directory import Directory
 
     period = float(heartbeat_timeout if heartbeat_timeout is not None else _core.setting("PLAIT_HEARTBEAT_TIMEOUT") or 2.0)
-    directory = Directory(open_store(store), group, period)
+    directory = Directory(store, group, period)
 
     def make(peers, dial_timeout):
         extra = {} if dial_timeout is None else {"dial_timeout": dial_timeout}

@@ -12,6 +12,8 @@ operation (p50, p99), and the longest stall.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import json
 import os
 import random
@@ -147,6 +149,13 @@ class Churn:
         self.actions: List[tuple] = []  # (time, kind, member id)
         self.count = 0
 
+    def _act(self, t: float, kind: str, who: Optional[str]):
+        """Records an action, also in `actions.jsonl` beside the members' logs, so that a run's
+        report can be read again from its directory (`report_from`)."""
+        self.actions.append((t, kind, who))
+        with open(self.dir / "actions.jsonl", "a") as f:
+            f.write(json.dumps({"t": t, "kind": kind, "member": who}) + "\n")
+
     def _spawn(self, peers: List[str]) -> Member:
         from . import node_addr
 
@@ -204,7 +213,7 @@ class Churn:
         slots = list(range(self.n))
         rng.shuffle(slots)
         b, a = sorted(slots[: self.n // 2]), sorted(slots[self.n // 2:])
-        self.actions.append((time.time(), "partition", None))
+        self._act(*(time.time(), "partition", None))
         self._set_cut(a, b, up=False)
         self.cut = (a, b, time.time() + seconds)
 
@@ -212,7 +221,7 @@ class Churn:
         if self.cut and time.time() >= self.cut[2]:
             a, b, _ = self.cut
             self._set_cut(a, b, up=True)
-            self.actions.append((time.time(), "heal", None))
+            self._act(*(time.time(), "heal", None))
             self.cut = None
 
     def _set_cut(self, a, b, up):
@@ -244,7 +253,7 @@ class Churn:
 
     def join(self, wait: bool = True) -> Member:
         m = self._spawn(self.contacts())
-        self.actions.append((time.time(), "join", None))
+        self._act(*(time.time(), "join", None))
         if wait:
             self._wait_joined(m, 30)
         return m
@@ -263,13 +272,13 @@ class Churn:
         return sum(1 for m in self.members if m.proc.poll() is None)
 
     def kill(self, m: Member, label: str = "kill"):
-        self.actions.append((time.time(), label, m.id))
+        self._act(*(time.time(), label, m.id))
         m.proc.send_signal(signal.SIGKILL)
         m.proc.wait()
         self._release(m)
 
     def stop(self, m: Member, seconds: float):
-        self.actions.append((time.time(), "stop", m.id))
+        self._act(*(time.time(), "stop", m.id))
         m.proc.send_signal(signal.SIGSTOP)
         m.stopped_until = time.time() + seconds
 
@@ -299,49 +308,60 @@ class Churn:
                 m.proc.wait()
 
     def report(self, seconds: float) -> ChurnReport:
-        r = ChurnReport(seconds=seconds, members=self.n)
-        done = {}  # (epoch, index) -> completion time (earliest member)
-        epochs = set()
-        for m in self.members + self.gone:
-            events = _events(m.log)
-            asked = [e["t"] for e in events if e["event"] == "joining"]
-            joined = [e["t"] for e in events if e["event"] == "joined" and e.get("epoch", 0) > 0]
-            if asked and joined:
-                r.join_ms.append((joined[0] - asked[0]) * 1000)
-            for e in events:
-                kind = e["event"]
-                if kind == "ok":
-                    key = (e["epoch"], e["index"])
-                    done[key] = min(done.get(key, e["t"]), e["t"])
-                    epochs.add(e["epoch"])
-                elif kind == "lost":
-                    r.failed += 1
-                elif kind == "wrong":
-                    r.wrong += 1
-                elif kind in ("error", "join_failed"):
-                    r.errors.append(e["error"])
-        r.committed = len(done)
-        r.epochs = len(epochs)
-        times = sorted(done.values())
-        if len(times) > 1:
-            r.longest_stall_ms = max(b - a for a, b in zip(times, times[1:])) * 1000
-        for t, kind, _ in self.actions:
-            if kind == "join":
-                r.joins += 1
-                continue
-            r.kills += kind in ("kill", "kill-leader")
-            r.stops += kind == "stop"
-            r.partitions += kind == "partition"
-            after = [x for x in times if x > t]
-            # The next operation committed in a later epoch than the last one before the action.
-            before_epochs = [k[0] for k, v in done.items() if v <= t]
-            last_epoch = max(before_epochs) if before_epochs else -1
-            later = [v for k, v in done.items() if v > t and k[0] > last_epoch]
-            if later:
-                r.recovery_ms.setdefault(kind, []).append((min(later) - t) * 1000)
-            elif after:
-                r.recovery_ms.setdefault(kind, []).append((after[0] - t) * 1000)
-        return r
+        return _report(self.actions, [m.log for m in self.members + self.gone], seconds, self.n)
+
+
+def report_from(workdir: Path, seconds: float, members: int) -> ChurnReport:
+    """The report of a run, read again from its directory (its `actions.jsonl` and the members'
+    logs)."""
+    actions = [(a["t"], a["kind"], a["member"]) for a in _events(Path(workdir) / "actions.jsonl")]
+    return _report(actions, sorted(Path(workdir).glob("member*.jsonl")), seconds, members)
+
+
+def _report(actions, logs, seconds: float, members: int) -> ChurnReport:
+    r = ChurnReport(seconds=seconds, members=members)
+    done = {}  # (epoch, index) -> completion time (earliest member)
+    for log in logs:
+        events = _events(log)
+        asked = [e["t"] for e in events if e["event"] == "joining"]
+        joined = [e["t"] for e in events if e["event"] == "joined" and e.get("epoch", 0) > 0]
+        if asked and joined:
+            r.join_ms.append((joined[0] - asked[0]) * 1000)
+        for e in events:
+            kind = e["event"]
+            if kind == "ok":
+                key = (e["epoch"], e["index"])
+                done[key] = min(done.get(key, e["t"]), e["t"])
+            elif kind == "lost":
+                r.failed += 1
+            elif kind == "wrong":
+                r.wrong += 1
+            elif kind in ("error", "join_failed"):
+                r.errors.append(e["error"])
+    r.committed = len(done)
+    commits = sorted((t, epoch) for (epoch, _), t in done.items())
+    times = [t for t, _ in commits]
+    r.epochs = len({epoch for _, epoch in commits})
+    if len(times) > 1:
+        r.longest_stall_ms = max(b - a for a, b in zip(times, times[1:])) * 1000
+    # The latest epoch committed by each point in time, to find the first commit of a later one.
+    latest = list(itertools.accumulate((epoch for _, epoch in commits), max))
+    for t, kind, _ in actions:
+        if kind == "join":
+            r.joins += 1
+            continue
+        r.kills += kind in ("kill", "kill-leader")
+        r.stops += kind == "stop"
+        r.partitions += kind == "partition"
+        i = bisect.bisect_right(times, t)
+        if i == len(times):
+            continue
+        # The next operation committed in a later epoch than the last one before the action
+        # (else, if none, the next one at all).
+        last_epoch = latest[i - 1] if i else -1
+        j = next((k for k in range(i, len(commits)) if commits[k][1] > last_epoch), i)
+        r.recovery_ms.setdefault(kind, []).append((times[j] - t) * 1000)
+    return r
 
 
 def _events(path: Path):
