@@ -87,6 +87,18 @@ def _build_kwargs(args):
                 links=links)
 
 
+def _serve_until_stopped():
+    """Blocks while a server of this process (a witness, a store) serves, until Ctrl-C or SIGTERM."""
+    import time
+
+    _sigterm_as_exit()
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        pass
+
+
 def _sigterm_as_exit():
     """So that `finally` blocks (testbed teardown, killing ranks) run on SIGTERM too."""
     def handler(signum, frame):
@@ -307,24 +319,16 @@ def main(argv=None):
     if args.command == "testbed":
         return _testbed(args, parser)
     if args.command == "witness":
-        import time
-
         from ..elastic import witness
 
         w = witness(args.listen, group=args.group, heartbeat_timeout=args.heartbeat_timeout)
         print(f"plait witness for group {args.group!r} at {w.contact}", flush=True)
-        _sigterm_as_exit()
         try:
-            while True:
-                time.sleep(3600)
-        except KeyboardInterrupt:
-            pass
+            _serve_until_stopped()
         finally:
             w.close()
         return 0
     if args.command == "store":
-        import time
-
         from .._store import tcp_store
 
         host, _, port = args.listen.rpartition(":")
@@ -332,12 +336,7 @@ def main(argv=None):
             parser.error(f"--listen must be HOST:PORT, got {args.listen!r}")
         server = tcp_store(host.strip("[]") or "0.0.0.0", int(port), is_master=True, wait_for_workers=False)
         print(f"plait store at {args.listen} (port {server.port})", flush=True)
-        _sigterm_as_exit()
-        try:
-            while True:
-                time.sleep(3600)
-        except KeyboardInterrupt:
-            pass
+        _serve_until_stopped()
         return 0
     if args.command == "run":
         import os
