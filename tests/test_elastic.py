@@ -236,7 +236,7 @@ _PAIR_WORKER = """
 import json, sys, time, numpy as np, plait, plait.elastic
 witness = sys.argv[1] or None
 comm = plait.elastic.join(listen="127.0.0.1:0", heartbeat_timeout=0.5, timeout=float(sys.argv[2]), witness=witness)
-print(json.dumps({"contact": comm.contact}), flush=True)
+print(json.dumps({"contact": comm.contact, "id": comm.member_id}), flush=True)
 end = time.time() + 30
 while time.time() < end:
     try:
@@ -267,7 +267,7 @@ def test_two_members_survive_a_crash_with_a_witness_and_wait_without_one(with_wi
         contact = json.loads(founder.stdout.readline())["contact"]
         joiner = subprocess.Popen([sys.executable, "-c", _PAIR_WORKER, "", "4"], env=dict(env, PLAIT_JOIN=contact),
                                   stdout=subprocess.PIPE, text=True)
-        joiner.stdout.readline()
+        joiner_id = json.loads(joiner.stdout.readline())["id"]
         if w:
             _wait_for(lambda: w.view()[1] == 2, 20, "the witness learns the two-member view")
         time.sleep(0.5)
@@ -282,6 +282,7 @@ def test_two_members_survive_a_crash_with_a_witness_and_wait_without_one(with_wi
         else:
             assert last["error"] == "PlaitTimeoutError", last
             assert "majority" in last["message"], last["message"]
+            assert f"unreachable: member {joiner_id}" in last["message"], last["message"]  # the error names whom
     finally:
         if w:
             w.close()

@@ -131,6 +131,7 @@ class Elastic:
     member_id: str
     contact: str
     contacts: list[str]
+    timeout: float
     def __init__(
         self,
         *,

@@ -40,19 +40,172 @@ comm.close()
 """
 
 
-def test_members_train_to_identical_weights_through_a_join_and_a_crash():
+def _run_group(worker, founder_args, joiner_args, survivors=2, timeout=120):
+    """Starts `worker` as a founder (`founder_args`) and one joiner per entry of `joiner_args`
+    (through the founder's contact); returns the last JSON line of the founder and of the first
+    `survivors - 1` joiners (the others may crash on purpose), each having exited 0."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     env.pop("PLAIT_JOIN", None)
-    founder = subprocess.Popen([sys.executable, "-c", _WORKER, "3", "0"], env=env, stdout=subprocess.PIPE, text=True)
-    contact = json.loads(founder.stdout.readline())["contact"]
-    others = [subprocess.Popen([sys.executable, "-c", _WORKER, "3", str(crash)], env=dict(env, PLAIT_JOIN=contact),
-                               stdout=subprocess.PIPE, text=True) for crash in (0, 15)]
-    results = []
-    for p in [founder, others[0]]:
-        out, _ = p.communicate(timeout=120)
-        assert p.returncode == 0, out
-        results.append(json.loads(out.strip().splitlines()[-1]))
-    others[1].communicate(timeout=60)
+    env.pop("PLAIT_JOIN_STORE", None)
+    founder = subprocess.Popen([sys.executable, "-c", worker, *founder_args], env=env, stdout=subprocess.PIPE, text=True)
+    procs = [founder]
+    try:
+        contact = json.loads(founder.stdout.readline())["contact"]
+        procs += [subprocess.Popen([sys.executable, "-c", worker, *args], env=dict(env, PLAIT_JOIN=contact),
+                                   stdout=subprocess.PIPE, text=True) for args in joiner_args]
+        results = []
+        for p in procs[:survivors]:
+            out, _ = p.communicate(timeout=timeout)
+            assert p.returncode == 0, out
+            results.append(json.loads(out.strip().splitlines()[-1]))
+        for p in procs[survivors:]:
+            p.communicate(timeout=60)
+        return results
+    finally:
+        for p in procs:
+            p.kill()
+
+
+def test_members_train_to_identical_weights_through_a_join_and_a_crash():
+    results = _run_group(_WORKER, ["3", "0"], [["3", "0"], ["3", "15"]])
     assert results[0]["digest"] == results[1]["digest"], "the survivors' weights differ"
     assert results[0]["world"] == 2, "the crashed member was left out"
     assert results[0]["committed"] >= 30, results
+
+
+_DIST_WORKER = r"""
+import hashlib, json, os, sys, torch
+import torch.distributed as dist
+import plait
+import plait.torch.elastic as pe
+
+want, crash_after = int(sys.argv[1]), int(sys.argv[2])
+pg = pe.init_process_group(listen="127.0.0.1:0", heartbeat_timeout=0.5, timeout=30)
+print(json.dumps({"contact": pg.elastic.contact}), flush=True)
+while dist.get_world_size() < want:
+    pg.update()
+worlds = {dist.get_world_size()}
+checked = 0
+torch.manual_seed(int(pg.elastic.member_id, 16) % 1000)        # every member starts from other weights
+model = pe.DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1)))
+model.sync_parameters()
+opt = torch.optim.SGD(model.parameters(), lr=0.05)
+gen = torch.Generator().manual_seed(int(pg.elastic.member_id, 16) % 997)
+committed = 0
+for step in range(30):
+    if pg.update():
+        model.sync_parameters()
+    # a plain dist call on the default group: every member adds its rank + 1
+    while True:
+        epoch, world, rank = pg.epoch, dist.get_world_size(), dist.get_rank()
+        t = torch.full((3,), float(rank + 1))
+        try:
+            dist.all_reduce(t)
+            break
+        except plait.PeerLost:
+            assert (t == rank + 1).all(), "a failed all_reduce left its buffer changed"
+    if pg.epoch == epoch:
+        assert (t == world * (world + 1) / 2).all(), (t, world)
+        checked += 1
+    worlds.add(dist.get_world_size())
+    x = torch.randn(32, 8, generator=gen)
+    loss = ((model(x) - x.sum(1, keepdim=True)) ** 2).mean()
+    loss.backward()
+    if model.should_commit():
+        opt.step()
+        committed += 1
+    opt.zero_grad()
+    if step + 1 == crash_after:
+        os._exit(0)                                              # a crash: no goodbye
+try:
+    dist.send(torch.zeros(1), dst=(dist.get_rank() + 1) % dist.get_world_size())
+    refused = ""
+except Exception as e:
+    refused = str(e)
+digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
+print(json.dumps({"digest": digest, "committed": committed, "checked": checked, "worlds": sorted(worlds),
+                  "refused": refused}), flush=True)
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+def test_torch_default_group_follows_the_view_and_ddp_keeps_weights_identical_through_a_join_and_a_crash():
+    results = _run_group(_DIST_WORKER, ["3", "0"], [["3", "0"], ["3", "12"]])
+    assert results[0]["digest"] == results[1]["digest"], "the survivors' weights differ"
+    for r in results:
+        assert r["worlds"] == [2, 3], r                  # dist.get_world_size() followed the views
+        assert r["checked"] >= 20 and r["committed"] >= 20, r
+        assert "not offered in elastic mode" in r["refused"], r
+
+
+_COALESCED_WORKER = r"""
+import json, os, sys, torch
+import torch.distributed as dist
+import plait
+import plait.torch.elastic as pe
+
+quitter = sys.argv[1] == "quit"
+pg = pe.init_process_group(listen="127.0.0.1:0", heartbeat_timeout=0.5, timeout=30)
+print(json.dumps({"contact": pg.elastic.contact}), flush=True)
+while dist.get_world_size() < 3:
+    pg.update()
+a = torch.full((1000,), float(dist.get_rank() + 1))
+if quitter:
+    dist.all_reduce(a)          # pairs with the first part of the others' call only
+    os._exit(0)
+b = torch.full((7,), float(dist.get_rank() + 1), dtype=torch.float64)
+before = (a.clone(), b.clone())
+lost = 0
+while True:
+    try:
+        pg.allreduce_coalesced([a, b], dist.AllreduceCoalescedOptions()).wait()  # two core operations: f32, then f64
+        break
+    except plait.PeerLost:
+        lost += 1
+        assert torch.equal(a, before[0]) and torch.equal(b, before[1]), "a failed call left a part of it done"
+        a, b = torch.full((1000,), float(dist.get_rank() + 1)), torch.full((7,), float(dist.get_rank() + 1), dtype=torch.float64)
+print(json.dumps({"lost": lost, "a": a[0].item(), "b": b[0].item(), "world": dist.get_world_size()}), flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_a_call_of_several_operations_that_loses_a_member_is_undone_as_a_whole():
+    results = _run_group(_COALESCED_WORKER, ["stay"], [["stay"], ["quit"]], timeout=60)
+    for r in results:
+        assert r["lost"] == 1 and r["world"] == 2, r
+        assert r["a"] == 3.0 and r["b"] == 3.0, r    # ranks 0 and 1 of the two survivors: 1 + 2
+
+
+def test_the_elastic_default_group_alone_and_what_it_refuses():
+    code = r"""
+import torch, torch.distributed as dist
+import plait.torch.elastic as pe
+pg = pe.init_process_group(listen="127.0.0.1:0", timeout=10)
+assert dist.get_rank() == 0 and dist.get_world_size() == 1 and dist.get_backend() == "plait-elastic"
+t = torch.arange(5.0)
+w = dist.all_reduce(t, async_op=True)
+assert w.is_completed() and w.wait() and torch.equal(t, torch.arange(5.0))
+try:
+    pe.init_process_group(listen="127.0.0.1:0", timeout=10)
+    raise SystemExit("a second default group was accepted")
+except RuntimeError as e:
+    assert "exists already" in str(e), e
+try:
+    dist.new_group([0])
+    raise SystemExit("new_group was accepted")
+except Exception as e:
+    assert "elastic" in str(e), e
+dist.destroy_process_group()
+try:
+    pg.elastic.allreduce(torch.zeros(1).numpy())
+    raise SystemExit("the member stayed in the group after destroy_process_group")
+except Exception as e:
+    pass
+print("ok")
+"""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    env.pop("PLAIT_JOIN", None)
+    env.pop("PLAIT_JOIN_STORE", None)
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stdout + r.stderr

@@ -322,6 +322,11 @@ impl PyElastic {
     fn member_id(&self) -> String {
         format!("{:x}", self.comm.member_id())
     }
+    /// The deadline of each operation and view change, in seconds.
+    #[getter]
+    fn timeout(&self) -> f64 {
+        self.comm.timeout().as_secs_f64()
+    }
     /// The address joiners may be given.
     #[getter]
     fn contact(&self) -> String {

@@ -57,8 +57,7 @@ class Group:
     def __init__(self, comm, opts, group_id, global_ranks, store=None):
         self.comm = comm
         self.opts = opts
-        self.rank = comm.rank
-        self.size = comm.size
+        self._take_identity(comm)
         self.group_id = group_id
         self.global_ranks = list(global_ranks) if global_ranks else list(range(comm.size))
         self.store = store
@@ -77,6 +76,12 @@ class Group:
         self.wire = stg.WIRE_DTYPE.get(opts.wire_dtype)
         self.trace, self.check = debug.attach(self)  # the recorder (plait trace) and the DETAIL check, or None
         _GROUPS.add(self)
+
+    def _take_identity(self, comm):
+        """A static group's rank and size are fixed at its creation (an elastic one's follow its
+        view: `elastic_group.ElasticGroup`)."""
+        self.rank = comm.rank
+        self.size = comm.size
 
     def op_timeout(self, timeout):
         """The deadline (seconds, or None for the core's default) of an op whose options say

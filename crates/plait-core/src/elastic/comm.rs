@@ -128,6 +128,11 @@ impl ElasticComm {
         self.control.me
     }
 
+    /// The deadline of each operation and view change.
+    pub fn timeout(&self) -> Duration {
+        self.template.timeout
+    }
+
     /// Where this member's control plane can be reached (give it to joiners).
     pub fn contact(&self) -> String {
         self.control.contact().to_string()
@@ -151,6 +156,9 @@ impl ElasticComm {
         let what = req.coll.name();
         let mut ops = self.ops.lock();
         ops.admitted = false;
+        if self.control.is_closed() {
+            return Err(PlaitError::Broken(format!("{what}: this member left its elastic group (close() was called)")));
+        }
         if let Some(why) = &ops.lost_track {
             return Err(PlaitError::Broken(format!("{why}; join the group again")));
         }

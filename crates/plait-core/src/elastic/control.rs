@@ -370,6 +370,11 @@ impl Control {
         self.state.lock().evicted.clone()
     }
 
+    /// Whether this member left (`leave`) or was closed.
+    pub fn is_closed(&self) -> bool {
+        self.state.lock().closed
+    }
+
     pub fn suspect(&self, epoch: u64, who: MemberId, why: String) {
         let _ = self.events.send(Event::Suspect { epoch, who, why });
     }
