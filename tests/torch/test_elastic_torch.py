@@ -209,3 +209,33 @@ print("ok")
     env.pop("PLAIT_JOIN_STORE", None)
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stdout + r.stderr
+
+
+def test_the_elastic_example_trains_two_members_started_by_plait_run_to_the_same_weights():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    example = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "elastic_train.py")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    env.pop("PLAIT_JOIN", None)
+    env.pop("PLAIT_JOIN_STORE", None)
+    cli = [sys.executable, "-m", "plait.tools.cli", "run"]
+    args = [example, "--steps", "30", "--min-members", "2", "--hidden", "64"]
+    founder = subprocess.Popen(cli + ["--listen", f"127.0.0.1:{port}"] + args, env=env, stdout=subprocess.PIPE, text=True)
+    joiner = subprocess.Popen(cli + ["--join", f"127.0.0.1:{port}", "--listen", "127.0.0.1:0"] + args, env=env,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        outs = []
+        for p in (founder, joiner):
+            out, _ = p.communicate(timeout=120)
+            assert p.returncode == 0, out
+            outs.append(out)
+    finally:
+        founder.kill()
+        joiner.kill()
+    finals = [json.loads(o.strip().splitlines()[-1]) for o in outs]
+    assert finals[0]["digest"] == finals[1]["digest"], finals
+    assert all(f["committed"] == 30 for f in finals), finals
+    assert "step   29  members 2" in outs[0], outs[0][-500:]
