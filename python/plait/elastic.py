@@ -21,12 +21,14 @@ from typing import TYPE_CHECKING, Any, List, Optional, Sequence
 
 from . import _core
 from ._core import InvalidArgumentError, PeerLost
+from ._shared_state import ROUND_BYTES, SharedState
+from ._shared_state import sync as _sync_shared_state
 from .comm import Communicator, _str, _timeout
 
 if TYPE_CHECKING:
     from numpy.typing import ArrayLike
 
-__all__ = ["join", "witness", "ElasticCommunicator", "PeerLost"]
+__all__ = ["join", "witness", "ElasticCommunicator", "PeerLost", "SharedState"]
 
 
 def witness(listen: str, *, group: str = "default", heartbeat_timeout: Optional[float] = None) -> Any:
@@ -178,6 +180,19 @@ class ElasticCommunicator(Communicator):
         except PeerLost:
             return False
         return bool(flags[0] == 1)
+
+    def sync_shared_state(self, state: SharedState, *, round_bytes: int = ROUND_BYTES) -> dict:
+        """Makes `state` (a `SharedState`: named arrays used in place) bit-identical on every
+        member; a collective every member calls at the same point (after `update()` returned
+        True, or every step: when nothing differs it costs one small allgather). The state most
+        members that synced before hold wins (a tie: the most senior one's; at a group's first
+        sync, the most senior member's); joiners never vote. Whoever lacks a chunk of it fetches
+        the chunk from the members that hold it, striped over all of them, hash-checked on
+        arrival. A member lost meanwhile: the sync goes on over the new view, without fetching
+        again what already arrived. Returns what this member did (`fetched_bytes`, `sources`,
+        `winner`, `attempts`, `seconds`...). `round_bytes`: the most any member receives per
+        transfer round (its staging memory)."""
+        return _sync_shared_state(self, state, round_bytes=round_bytes)
 
     def barrier(self, *, timeout: Optional[float] = None, async_op: bool = False) -> None:
         import numpy as np

@@ -35,6 +35,7 @@ pub use dtype::{DType, ReduceOp};
 pub use elastic::{ElasticComm, ElasticConfig, View, Witness};
 pub use error::{PlaitError, Result};
 pub use exec::CollRequest;
+pub use kernels::hash::{chunk_hashes, HASH_BYTES};
 pub use net::frame::RESERVED_TAGS;
 pub use net::iface::{list_interfaces, IfaceAddr};
 pub use platform::host::host_identity;

@@ -27,6 +27,14 @@ impl RawBuf {
     pub fn of(bytes: &mut [u8]) -> RawBuf {
         RawBuf { ptr: bytes.as_mut_ptr(), len: bytes.len() }
     }
+
+    /// The memory as a slice, for a caller outside the core that only reads it (hashing).
+    ///
+    /// # Safety
+    /// The memory must be valid for reads of `len` bytes and not written while the slice lives.
+    pub unsafe fn as_slice<'a>(&self) -> &'a [u8] {
+        bytes(self.ptr, self.len)
+    }
 }
 
 /// # Safety

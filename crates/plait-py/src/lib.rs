@@ -652,6 +652,20 @@ fn host_identity() -> Option<String> {
     plait_core::host_identity()
 }
 
+/// The BLAKE3 hash of each `chunk`-byte piece of the `nbytes` bytes at `ptr` (32 bytes each, one
+/// after the other), hashed on several threads without the GIL. The caller keeps the memory
+/// alive and unchanged meanwhile.
+#[pyfunction]
+fn chunk_hashes(py: Python<'_>, ptr: usize, nbytes: usize, chunk: usize) -> PyResult<PyObject> {
+    if chunk == 0 {
+        return Err(invalid("chunk_hashes: the chunk size must be positive".into()));
+    }
+    let data = buf(ptr, nbytes);
+    // SAFETY: the caller keeps the buffer alive and unchanged until this returns.
+    let hashes = py.allow_threads(move || plait_core::chunk_hashes(unsafe { data.as_slice() }, chunk));
+    Ok(pyo3::types::PyBytes::new(py, &hashes).into())
+}
+
 /// Checks an operator for a dtype as the core will: returns the operator's name and factor
 /// normalised, or raises InvalidArgumentError saying what is wrong.
 #[pyfunction]
@@ -822,6 +836,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(algorithms, m)?)?;
     m.add_function(wrap_pyfunction!(interfaces, m)?)?;
     m.add_function(wrap_pyfunction!(host_identity, m)?)?;
+    m.add_function(wrap_pyfunction!(chunk_hashes, m)?)?;
     m.add_function(wrap_pyfunction!(check_op, m)?)?;
     m.add_function(wrap_pyfunction!(setting, m)?)?;
     m.add_function(wrap_pyfunction!(env_config, m)?)?;

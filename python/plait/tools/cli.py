@@ -50,6 +50,14 @@ def _testbed_parsers(sub):
     churn.add_argument("--partition-seconds", type=float, default=3.0, help="how long a partition lasts (default 3)")
     churn.add_argument("--seed", type=int, default=0)
     add_json_option(churn)
+    catchup = tsub.add_parser("catchup", help="a joiner's shared-state download time from 1, 2, 4... holders (root)",
+                              description="For each number of holders H: H members on their own namespaces hold the "
+                              "same shared state, each on its own rate-limited cable to a joiner, which joins and syncs "
+                              "it (plait.elastic SharedState). Reports the joiner's sync time and receive rate.")
+    catchup.add_argument("--holders", default="1,2,4", help="comma-separated holder counts (default 1,2,4)")
+    catchup.add_argument("--gib", type=float, default=1.0, help="state size in GiB (default 1)")
+    catchup.add_argument("--link-rate", default="500mbit", help="every cable's tc rate (default 500mbit)")
+    add_json_option(catchup)
     status = tsub.add_parser("status", help="list the testbeds that are up and their addresses")
     add_json_option(status, help="write the testbeds as JSON to PATH; `--json -` (or --json alone) to stdout "
                     "instead of the table")
@@ -122,6 +130,8 @@ def _testbed(args, parser):
     console = Console(stderr=True, highlight=False)
     if args.tb_command == "churn":
         return _churn(args, console)
+    if args.tb_command == "catchup":
+        return _catchup(args, console)
     why = T.not_linux()
     if why:
         console.print(f"[red]plait testbed: {why}")
@@ -202,6 +212,37 @@ def _print_status(beds, console):
                                                                                   else "") for c in node["cables"])
             t.add_row(str(node["node"]), node["namespace"], node["lan"], cables)
         console.print(t)
+
+
+def _catchup(args, console):
+    import tempfile
+    from pathlib import Path
+
+    from ._jsonout import to_stdout, write_json
+    from .testbed import TestbedError, check_can_build
+    from .testbed.catchup import run
+
+    try:
+        holders = [int(h) for h in args.holders.split(",") if h.strip()]
+        if not holders or min(holders) < 1:
+            raise ValueError
+    except ValueError:
+        console.print(f"[red]plait testbed catchup: --holders {args.holders!r}: use counts such as 1,2,4")
+        return 2
+    why = check_can_build()
+    if why:
+        console.print(f"[red]plait testbed catchup: {why}")
+        return 2
+    try:
+        with tempfile.TemporaryDirectory(prefix="plait-catchup-") as d:
+            results = run(holders, int(args.gib * 2**30), args.link_rate, Path(d),
+                          progress=None if to_stdout(args.json) else console.print)
+    except (TestbedError, RuntimeError) as e:
+        console.print(f"[red]plait testbed catchup: {e}")
+        return 1
+    if args.json:
+        write_json(args.json, {"runs": results})
+    return 0
 
 
 def _churn(args, console):

@@ -225,6 +225,7 @@ impl Control {
             control.close();
             return Err(PlaitError::Rendezvous(format!("no member of group '{}' answered: {}", cfg.group, why.join("; "))));
         }
+        let waiting_since = Instant::now();
         let mut st = control.state.lock();
         while !st.member {
             if let Some(e) = &st.evicted {
@@ -239,7 +240,7 @@ impl Control {
                 return Err(PlaitError::Timeout {
                     op: "join".into(),
                     waiting_on: format!("the members of group '{}' to admit this process at their next update point (do they call update()?)", cfg.group),
-                    waited: Duration::ZERO,
+                    waited: waiting_since.elapsed(),
                 });
             }
         }

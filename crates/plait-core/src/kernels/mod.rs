@@ -21,6 +21,7 @@ use half::{bf16, f16};
 use std::marker::PhantomData;
 use std::mem::size_of;
 
+pub mod hash;
 #[cfg(test)]
 mod tests;
 
