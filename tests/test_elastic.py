@@ -416,3 +416,41 @@ def test_processes_started_alike_find_one_group_through_a_store_and_a_gone_group
                 p.wait(timeout=20)
             except subprocess.TimeoutExpired:
                 p.kill()
+
+
+_MISMATCH_WORKER = """
+import json, sys, time, numpy as np, plait, plait.elastic
+comm = plait.elastic.join(listen="127.0.0.1:0", heartbeat_timeout=0.5, timeout=20)
+print(json.dumps({"contact": comm.contact}), flush=True)
+while comm.world_size < 2:
+    comm.update()
+start = time.time()
+try:
+    comm.allreduce_with_retry(np.ones(4 if comm.rank == 0 else 8, np.float32))   # a program error: the sizes differ
+    print(json.dumps({"error": None}), flush=True)
+except plait.PlaitError as e:
+    print(json.dumps({"error": type(e).__name__, "message": str(e), "seconds": time.time() - start}), flush=True)
+"""
+
+
+def test_members_whose_calls_differ_get_that_error_instead_of_retrying_for_ever():
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    env.pop("PLAIT_JOIN", None)
+    env.pop("PLAIT_JOIN_STORE", None)
+    founder = subprocess.Popen([sys.executable, "-c", _MISMATCH_WORKER], env=env, stdout=subprocess.PIPE, text=True)
+    procs = [founder]
+    try:
+        contact = json.loads(founder.stdout.readline())["contact"]
+        procs.append(subprocess.Popen([sys.executable, "-c", _MISMATCH_WORKER], env=dict(env, PLAIT_JOIN=contact),
+                                      stdout=subprocess.PIPE, text=True))
+        procs[1].stdout.readline()
+        results = []
+        for p in procs:
+            out, _ = p.communicate(timeout=60)
+            results.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        for p in procs:
+            p.kill()
+    for r in results:
+        assert r["error"] in ("MismatchError", "PeerError"), r
+        assert "mismatch" in r["message"] and r["seconds"] < 10, r

@@ -26,7 +26,7 @@ mod sched;
 mod session;
 mod store;
 
-pub use codec::Wire;
+pub use codec::{round_trip as wire_round_trip, Wire};
 pub use comm::{
     argument_range, check_argument, check_setting, refuse_argument, check_timeout, setting, CommConfig, Communicator, LinkRecord, Range, Setting, ThreadUse, Token, Topology,
     Work, ARGUMENTS, SETTINGS,

@@ -35,6 +35,15 @@ impl RawBuf {
     pub unsafe fn as_slice<'a>(&self) -> &'a [u8] {
         bytes(self.ptr, self.len)
     }
+
+    /// The memory as a mutable slice, for a caller outside the core that rewrites it in place.
+    ///
+    /// # Safety
+    /// The memory must be valid for writes of `len` bytes and not touched by anything else while
+    /// the slice lives.
+    pub unsafe fn as_slice_mut<'a>(&self) -> &'a mut [u8] {
+        bytes_mut(self.ptr, self.len)
+    }
 }
 
 /// # Safety

@@ -666,6 +666,27 @@ fn chunk_hashes(py: Python<'_>, ptr: usize, nbytes: usize, chunk: usize) -> PyRe
     Ok(pyo3::types::PyBytes::new(py, &hashes).into())
 }
 
+/// Replaces the f32 values in the `nbytes` bytes at `ptr` by what they become on the wire `wire`
+/// ("bf16", "f16", "int8"): decode(encode(x)), in place and without the GIL. Returns the bytes
+/// they take on that wire.
+#[pyfunction]
+fn wire_round_trip(py: Python<'_>, wire: String, ptr: usize, nbytes: usize) -> PyResult<usize> {
+    let w = self::wire(Some(wire))?.expect("a name was given");
+    if nbytes % 4 != 0 {
+        return Err(invalid(format!("wire_round_trip: {nbytes} bytes are not whole f32 values")));
+    }
+    let data = buf(ptr, nbytes);
+    // SAFETY: the caller keeps the buffer alive, and nothing else touches it, until this returns.
+    py.allow_threads(move || plait_core::wire_round_trip(w, unsafe { data.as_slice_mut() }));
+    Ok(w.encoded_len(nbytes / 4))
+}
+
+/// Bytes that `elems` f32 values take on the wire `wire` ("native", "bf16", "f16", "int8").
+#[pyfunction]
+fn wire_bytes(wire: String, elems: usize) -> PyResult<usize> {
+    Ok(self::wire(Some(wire))?.expect("a name was given").encoded_len(elems))
+}
+
 /// Checks an operator for a dtype as the core will: returns the operator's name and factor
 /// normalised, or raises InvalidArgumentError saying what is wrong.
 #[pyfunction]
@@ -837,6 +858,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(interfaces, m)?)?;
     m.add_function(wrap_pyfunction!(host_identity, m)?)?;
     m.add_function(wrap_pyfunction!(chunk_hashes, m)?)?;
+    m.add_function(wrap_pyfunction!(wire_round_trip, m)?)?;
+    m.add_function(wrap_pyfunction!(wire_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(check_op, m)?)?;
     m.add_function(wrap_pyfunction!(setting, m)?)?;
     m.add_function(wrap_pyfunction!(env_config, m)?)?;

@@ -76,6 +76,15 @@ pub fn encode(wire: Wire, src: &[u8], out: &mut [u8]) {
     fast::encode::<false>(wire, src, out)
 }
 
+/// Replaces f32 values (little-endian bytes) by what they become on the wire: `decode(encode(x))`.
+/// The difference is what a sender's error feedback carries over to its next contribution.
+pub fn round_trip(wire: Wire, data: &mut [u8]) {
+    let n = data.len() / 4;
+    let mut enc = vec![0u8; wire.encoded_len(n)];
+    encode(wire, &data[..n * 4], &mut enc);
+    decode(wire, &enc, &mut data[..n * 4]);
+}
+
 /// Decodes `src` (as produced by `encode`) into f32 little-endian bytes `out`.
 pub fn decode(wire: Wire, src: &[u8], out: &mut [u8]) {
     let n = out.len() / 4;

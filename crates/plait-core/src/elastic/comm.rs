@@ -177,6 +177,9 @@ impl ElasticComm {
             comm.collective(req, true)?.wait(None).expect("an inline operation has completed")?;
             Ok(comm)
         });
+        // The members' calls differ (a program error): no retry can pair them, so that is the
+        // error the caller gets, not PeerLost (which `allreduce_with_retry` would retry forever).
+        let calls_differ = local.as_ref().err().filter(|e| calls_differ(e)).map(|e| e.for_op(what));
         let completed = match &local {
             Ok(_) => self.control.complete(epoch, seq),
             Err(e) => {
@@ -216,7 +219,8 @@ impl ElasticComm {
         if completed && d.done >= seq {
             return Ok(());
         }
-        Err(self.lost(&mut ops, what))
+        let lost = self.lost(&mut ops, what);
+        Err(calls_differ.unwrap_or(lost))
     }
 
     /// The update point: every member calls it at the same place in its loop. Admits the joiners
@@ -346,6 +350,9 @@ impl ElasticComm {
         cfg.rank = rank;
         cfg.size = view.members.len();
         cfg.epoch = view.epoch;
+        // Any thread may call (an async DiLoCo average runs on its own); `ops`'s lock already
+        // orders the calls, one at a time, so the creator-thread check would only refuse them.
+        cfg.threads = crate::comm::ThreadUse::Sequential;
         // A view's mesh is built at once or not at all: start-up stops as soon as the group
         // moves on, and in any case long before an operation's deadline.
         cfg.startup_timeout = Some((self.template.heartbeat_timeout * 10).max(Duration::from_secs(10)));
@@ -391,6 +398,16 @@ impl ElasticComm {
             PlaitError::Aborted { .. } | PlaitError::Evicted(_) => {}
             _ => self.control.want_change(epoch, e.to_string()),
         }
+    }
+}
+
+/// Whether `e` says that members made different calls (another collective, dtype, count, op or
+/// root), here or as a peer relayed it.
+fn calls_differ(e: &PlaitError) -> bool {
+    match e {
+        PlaitError::Mismatch { .. } => true,
+        PlaitError::Peer { what, .. } => what.contains("mismatch with rank"),
+        _ => false,
     }
 }
 

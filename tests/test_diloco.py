@@ -1,0 +1,150 @@
+"""DiLoCo (plait.diloco) on elastic members: the outer step equals a numpy reference of the DiLoCo
+update in sync, async and streaming modes, async applies every round exactly once, and the outer
+state stays bit-identical through a join and a crash."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+D, H, ROUNDS, LR, MU, INNER_LR = 10, 3, 4, 0.7, 0.9, 0.1
+
+_WORKER = r"""
+import hashlib, json, os, sys, time, torch
+import plait, plait.elastic
+from plait.diloco import DiLoCo
+
+mode, want, rounds, die_at = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+D, H = 10, 3
+comm = plait.elastic.join(listen="127.0.0.1:0", heartbeat_timeout=2, timeout=30)
+give_up = time.time() + 60
+print(json.dumps({"contact": comm.contact, "id": comm.member_id}), flush=True)
+
+class Point(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.linspace(-1.0, 1.0, D))
+model = Point()
+inner = torch.optim.SGD(model.parameters(), lr=0.1)
+diloco = DiLoCo(model, inner, comm, outer_lr=0.7, outer_momentum=0.9, every=H, mode=mode,
+                fragments=2 if mode == "streaming" else 1)
+targets = {}
+# One loop, one update() per iteration, as in training: a step is taken only when the view (the
+# same on every member) is as large as wanted, so every member makes the same calls.
+while diloco.inner_steps < rounds * H and time.time() < give_up:
+    diloco.update()                                 # a joiner's first: the update point that admitted it
+    need = want if diloco.inner_steps == H else 3   # the late joiner is awaited after round 1
+    if comm.world_size < need:
+        continue
+    rank = comm.rank
+    targets.setdefault(diloco.inner_steps, rank)
+    target = torch.full((D,), float(rank + 1))
+    loss = 0.5 * ((model.w - target) ** 2).sum()
+    loss.backward()
+    diloco.step()
+    diloco.zero_grad()
+    if diloco.inner_steps == die_at:
+        os._exit(0)
+diloco.finish()
+digest = hashlib.sha256(diloco.outer.numpy().tobytes() + diloco.momentum.numpy().tobytes()).hexdigest()
+print(json.dumps({"rank": comm.rank, "outer": diloco.outer.tolist(), "local": model.w.detach().tolist(),
+                  "rounds": diloco.rounds, "digest": digest, "targets": targets, "world": comm.world_size,
+                  "bytes": diloco.bytes_sent}), flush=True)
+comm.barrier()
+comm.close()
+"""
+
+
+def _spawn(args, joining=None):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    env.pop("PLAIT_JOIN_STORE", None)
+    if joining:
+        env["PLAIT_JOIN"] = joining
+    else:
+        env.pop("PLAIT_JOIN", None)
+    return subprocess.Popen([sys.executable, "-c", _WORKER, *map(str, args)], env=env, stdout=subprocess.PIPE, text=True)
+
+
+def _group(mode, n=3, die_at=0, late=False):
+    """n members run `mode`; with `die_at`, the last started dies after that inner step; with
+    `late`, one more joins after the first round. Returns the survivors' final lines."""
+    want = n + 1 if late else n
+    procs = [_spawn([mode, want, ROUNDS, 0])]
+    try:
+        contact = json.loads(procs[0].stdout.readline())["contact"]
+        procs += [_spawn([mode, want, ROUNDS, die_at if i == n - 2 else 0], contact) for i in range(n - 1)]
+        for p in procs[1:]:
+            p.stdout.readline()
+        if late:
+            procs.append(_spawn([mode, want, ROUNDS, 0], contact))
+        outs = []
+        for p in procs:
+            out, _ = p.communicate(timeout=120)
+            assert p.returncode == 0, out
+            lines = out.strip().splitlines()
+            if lines and "outer" in lines[-1]:
+                outs.append(json.loads(lines[-1]))
+        return outs
+    finally:
+        for p in procs:
+            p.kill()
+
+
+def _outer_step(outer, m, g):
+    m = MU * m + g
+    return outer - LR * (g + MU * m), m
+
+
+def _reference(mode, n):
+    """The DiLoCo update in numpy: member r pulls its parameters towards r + 1 with SGD."""
+    outer = np.linspace(-1.0, 1.0, D).astype(np.float32).astype(np.float64)
+    m = np.zeros(D)
+    local = [outer.copy() for _ in range(n)]
+    pending = None
+    frags = [slice(0, 5), slice(5, 10)] if mode == "streaming" else [slice(None)]
+    for t in range(1, ROUNDS * H + 1):
+        for r in range(n):
+            local[r] = local[r] - INNER_LR * (local[r] - (r + 1))
+        offset = t % H or H
+        due = [sl for f, sl in enumerate(frags) if offset == (f + 1) * H // len(frags)] if mode == "streaming" else \
+              ([slice(None)] if t % H == 0 else [])
+        for sl in due:
+            avg = np.mean([outer[sl] - local[r][sl] for r in range(n)], axis=0)
+            if mode == "async":
+                if pending is not None:
+                    outer, m = _outer_step(outer, m, pending)
+                    local = [outer.copy() for _ in range(n)]
+                pending = avg
+                continue
+            o, mm = _outer_step(outer[sl], m[sl], avg)
+            outer, m = outer.copy(), m.copy()
+            outer[sl], m[sl] = o, mm
+            for r in range(n):
+                local[r][sl] = outer[sl]
+    if mode == "async" and pending is not None:
+        outer, m = _outer_step(outer, m, pending)
+    return outer
+
+
+@pytest.mark.parametrize("mode", ["sync", "async", "streaming"])
+def test_the_outer_step_equals_the_numpy_reference_and_every_member_ends_bit_identical(mode):
+    outs = _group(mode)
+    assert len(outs) == 3
+    assert len({o["digest"] for o in outs}) == 1, "the members' outer states differ"
+    assert all(o["rounds"] == ROUNDS for o in outs), [o["rounds"] for o in outs]  # async: each round applied once
+    ref = _reference(mode, 3)
+    np.testing.assert_allclose(outs[0]["outer"], ref, rtol=1e-5, atol=1e-5)
+    if mode != "async":
+        assert all(o["bytes"] == ROUNDS * 4 * D for o in outs)        # f32: the whole vector once per round
+
+
+def test_the_outer_state_stays_bit_identical_through_a_join_and_a_crash():
+    outs = _group("sync", n=3, die_at=H + 1, late=True)
+    assert len(outs) == 3, outs                                       # two of the first three, and the joiner
+    assert len({o["digest"] for o in outs}) == 1, "the members' outer states differ"
+    assert len({o["rounds"] for o in outs}) == 1 and outs[0]["rounds"] == ROUNDS, [o["rounds"] for o in outs]
+    assert all(o["world"] == 3 for o in outs)
+    assert all(o["outer"] == o["local"] for o in outs)                # after the last round: local = outer
