@@ -148,3 +148,15 @@ def test_the_outer_state_stays_bit_identical_through_a_join_and_a_crash():
     assert len({o["rounds"] for o in outs}) == 1 and outs[0]["rounds"] == ROUNDS, [o["rounds"] for o in outs]
     assert all(o["world"] == 3 for o in outs)
     assert all(o["outer"] == o["local"] for o in outs)                # after the last round: local = outer
+
+
+def test_the_readme_example_trains_ddp_and_diloco_and_diloco_sends_far_fewer_bytes(tmp_path):
+    example = os.path.join(os.path.dirname(__file__), "..", "examples", "diloco_train.py")
+    out = tmp_path / "results.json"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    r = subprocess.run([sys.executable, example, "--members", "2", "--steps", "100", "--configs", "ddp,diloco-50-int8",
+                        "--json", str(out)], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    ddp, diloco = json.loads(out.read_text())
+    assert ddp["final_loss"] < ddp["curve"][0][1] and diloco["final_loss"] < diloco["curve"][0][1]   # both learn
+    assert ddp["bytes"] / diloco["bytes"] > 150                      # 50 steps per round, int8 on the wire
