@@ -31,12 +31,22 @@ model = Point()
 inner = torch.optim.SGD(model.parameters(), lr=0.1)
 diloco = DiLoCo(model, inner, comm, outer_lr=0.7, outer_momentum=0.9, every=H, mode=mode,
                 fragments=2 if mode == "streaming" else 1)
-targets = {}
+targets, slept = {}, False
 # One loop, one update() per iteration, as in training: a step is taken only when the view (the
 # same on every member) is as large as wanted, so every member makes the same calls.
 while diloco.inner_steps < rounds * H and time.time() < give_up:
     diloco.update()                                 # a joiner's first: the update point that admitted it
-    need = want if diloco.inner_steps == H else 3   # the late joiner is awaited after round 1
+    if diloco.inner_steps == 0:
+        need = 3                                    # the first three start together
+    elif mode == "async":
+        # The update point of async mode is the end of a round: give the late joiner time to
+        # be waiting by the end of round 2, where it joins that round's average.
+        if want > 3 and diloco.inner_steps == H and not slept:
+            time.sleep(5)
+            slept = True
+        need = 1
+    else:
+        need = want if diloco.inner_steps == H else 1   # the late joiner is awaited after round 1
     if comm.world_size < need:
         continue
     rank = comm.rank
@@ -141,8 +151,9 @@ def test_the_outer_step_equals_the_numpy_reference_and_every_member_ends_bit_ide
         assert all(o["bytes"] == ROUNDS * 4 * D for o in outs)        # f32: the whole vector once per round
 
 
-def test_the_outer_state_stays_bit_identical_through_a_join_and_a_crash():
-    outs = _group("sync", n=3, die_at=H + 1, late=True)
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_the_outer_state_stays_bit_identical_through_a_join_and_a_crash(mode):
+    outs = _group(mode, n=3, die_at=H + 1, late=True)
     assert len(outs) == 3, outs                                       # two of the first three, and the joiner
     assert len({o["digest"] for o in outs}) == 1, "the members' outer states differ"
     assert len({o["rounds"] for o in outs}) == 1 and outs[0]["rounds"] == ROUNDS, [o["rounds"] for o in outs]

@@ -85,8 +85,9 @@ class DiLoCo:
         self.outer = self.local.clone()  # the outer (shared) parameters
         self.momentum = torch.zeros(n)
         self.pending = torch.zeros(n)  # async: the last average, applied at the end of the next round
-        # inner steps taken, rounds applied, whether `pending` holds an average not yet applied
-        self.counters = torch.zeros(3, dtype=torch.int64)
+        # inner steps taken, rounds applied, whether `pending` holds an average not yet applied,
+        # whether rounds end with a background average (async mode, after the first round)
+        self.counters = torch.zeros(4, dtype=torch.int64)
         self.residual = torch.zeros(n) if self.error_feedback else None
         self.state = SharedState({"outer": self.outer, "momentum": self.momentum, "pending": self.pending,
                                   "counters": self.counters})
@@ -114,13 +115,21 @@ class DiLoCo:
         self.inner.zero_grad(set_to_none=set_to_none)
 
     def update(self) -> bool:
-        """The update point (elastic mode): waits for an average under way, admits joiners
-        (`comm.update()`), and when the view changed shares the outer state (`sync`). Every member
-        calls it at the same place in its loop. True if the view changed."""
-        self._land()
+        """The update point (elastic mode): admits joiners (`comm.update()`), and when the view
+        changed shares the outer state (`sync`). Every member calls it at the same place in its
+        loop. True if the view changed. In async mode, while an average runs in the background
+        (from the end of the first round on), the update point moves to the end of each round
+        (waiting here would undo the overlap): this call returns False, and joiners come in when
+        the round ends."""
+        if self._flight is not None:
+            return False
         changed = bool(self.comm.update())
         if changed:
             self.sync()
+            if self.mode == "async" and int(self.counters[3]):
+                # A joiner admitted at the end of a round: the members are starting that round's
+                # average, so it starts its part too (its delta is zero: it has not trained yet).
+                self._round_async_tail()
         return changed
 
     def sync(self) -> dict:
@@ -209,6 +218,12 @@ class DiLoCo:
         not yet hold the last average) goes to a background average; the last average, complete
         by now, is applied and the inner steps restart from the result."""
         self._land()
+        self.counters[3] = 1  # an average starts at each round's end from now on (joiners admitted below join it)
+        if bool(self.comm.update()):  # the update point of async mode
+            self.sync()
+        self._round_async_tail()
+
+    def _round_async_tail(self) -> None:
         delta = self._delta(slice(None))
         had_pending = bool(int(self.counters[2]))
         if had_pending:
