@@ -51,7 +51,7 @@ def model_and_data(seed_member, batch):
     return model, next_batch, (vx, teacher(vx))
 
 
-def member(config, steps, batch, lr, eval_every, members):
+def member(config, steps, batch, lr, eval_every, members, outer_lr, outer_momentum):
     import torch
 
     import plait.elastic
@@ -73,7 +73,7 @@ def member(config, steps, batch, lr, eval_every, members):
         avg, diloco, every = GradientAverager(comm, model), None, eval_every
     else:
         _, h, wire = config.split("-")
-        diloco = DiLoCo(model, opt, comm, every=int(h), wire=wire)
+        diloco = DiLoCo(model, opt, comm, every=int(h), wire=wire, outer_lr=outer_lr, outer_momentum=outer_momentum)
         every = int(h)
 
     def validation():
@@ -118,7 +118,8 @@ def run_config(config, a):
     env.pop("PLAIT_JOIN", None)
     env.pop("PLAIT_JOIN_STORE", None)
     cmd = [sys.executable, os.path.abspath(__file__), "--member", config, "--steps", str(a.steps), "--batch", str(a.batch),
-           "--lr", str(a.lr), "--eval-every", str(a.eval_every), "--members", str(a.members)]
+           "--lr", str(a.lr), "--eval-every", str(a.eval_every), "--members", str(a.members),
+           "--outer-lr", str(a.outer_lr), "--outer-momentum", str(a.outer_momentum)]
     procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True)]
     try:
         contact = json.loads(procs[0].stdout.readline())["contact"]
@@ -148,9 +149,9 @@ def plot(results, path):
     for r in results:
         steps = [c[0] for c in r["curve"]]
         losses = [c[1] for c in r["curve"]]
-        sent = [max(c[2], 1) / 2**20 for c in r["curve"]]
         left.plot(steps, losses, label=r["config"])
-        right.plot(sent, losses, label=r["config"])
+        sent = [(c[2] / 2**20, c[1]) for c in r["curve"] if c[2] > 0]  # from the first average on
+        right.plot([b for b, _ in sent], [l for _, l in sent], label=r["config"])
     left.set(xlabel="inner step", ylabel="validation loss", yscale="log", title="loss against step")
     right.set(xlabel="MiB sent per member (payload)", ylabel="validation loss", xscale="log", yscale="log",
               title="loss against bytes sent")
@@ -166,13 +167,19 @@ def main():
     ap.add_argument("--batch", type=int, default=64, help="per member and step")
     ap.add_argument("--lr", type=float, default=1e-3, help="AdamW's (DDP's optimizer, DiLoCo's inner one)")
     ap.add_argument("--eval-every", type=int, default=50)
+    ap.add_argument("--outer-lr", type=float, default=0.7, help="DiLoCo's outer SGD learning rate")
+    ap.add_argument("--outer-momentum", type=float, default=0.9, help="DiLoCo's outer Nesterov momentum")
     ap.add_argument("--configs", default="ddp,diloco-50-f32,diloco-50-int8,diloco-100-f32,diloco-100-int8")
     ap.add_argument("--json", help="write the results (curves included) to this file")
     ap.add_argument("--plot", help="draw the curves into this image (needs matplotlib)")
+    ap.add_argument("--replot", help="only draw --plot from the results of an earlier --json")
     ap.add_argument("--member", help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.replot:
+        with open(a.replot) as f:
+            return plot(json.load(f), a.plot)
     if a.member:
-        return member(a.member, a.steps, a.batch, a.lr, a.eval_every, a.members)
+        return member(a.member, a.steps, a.batch, a.lr, a.eval_every, a.members, a.outer_lr, a.outer_momentum)
     results = []
     for config in a.configs.split(","):
         r = run_config(config, a)
