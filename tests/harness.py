@@ -281,3 +281,37 @@ class Worlds:
         if err is not None:  # a new error each time: re-raising one object would grow its traceback
             raise RuntimeError(f"world {key!r} did not run: {type(err).__name__}: {err}") from err
         return res
+
+
+def elastic_group(code, args, *, late=(), timeout=120):
+    """Runs the worker script `code` once per entry of `args` (its argv): the first process founds
+    an elastic group, the others join it through its contact (PLAIT_JOIN). Each process's first
+    stdout line is a JSON object with its "contact". The entries of `late` start once every
+    earlier process has printed that line. Returns every process's JSON lines after the first,
+    in start order; each process must exit 0 (a crash on purpose is `os._exit(0)`). Every
+    process is killed at the end, whatever happened."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    env.pop("PLAIT_JOIN", None)
+    env.pop("PLAIT_JOIN_STORE", None)
+
+    def start(argv, contact=None):
+        e = dict(env, PLAIT_JOIN=contact) if contact else env
+        return subprocess.Popen([sys.executable, "-c", code, *map(str, argv)], env=e, stdout=subprocess.PIPE, text=True)
+
+    procs = [start(args[0])]
+    try:
+        contact = json.loads(procs[0].stdout.readline())["contact"]
+        procs += [start(a, contact) for a in args[1:]]
+        for p in procs[1:]:
+            p.stdout.readline()
+        procs += [start(a, contact) for a in late]
+        results = []
+        for p in procs:
+            out, _ = p.communicate(timeout=timeout)
+            assert p.returncode == 0, out
+            lines = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+            results.append(lines[1:] if p in procs[len(args):] else lines)
+        return results
+    finally:
+        for p in procs:
+            p.kill()

@@ -10,6 +10,8 @@ import sys
 import numpy as np
 import pytest
 
+import harness
+
 D, H, ROUNDS, LR, MU, INNER_LR = 10, 3, 4, 0.7, 0.9, 0.1
 
 _WORKER = r"""
@@ -68,39 +70,13 @@ comm.close()
 """
 
 
-def _spawn(args, joining=None):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    env.pop("PLAIT_JOIN_STORE", None)
-    if joining:
-        env["PLAIT_JOIN"] = joining
-    else:
-        env.pop("PLAIT_JOIN", None)
-    return subprocess.Popen([sys.executable, "-c", _WORKER, *map(str, args)], env=env, stdout=subprocess.PIPE, text=True)
-
-
 def _group(mode, n=3, die_at=0, late=False):
     """n members run `mode`; with `die_at`, the last started dies after that inner step; with
     `late`, one more joins after the first round. Returns the survivors' final lines."""
     want = n + 1 if late else n
-    procs = [_spawn([mode, want, ROUNDS, 0])]
-    try:
-        contact = json.loads(procs[0].stdout.readline())["contact"]
-        procs += [_spawn([mode, want, ROUNDS, die_at if i == n - 2 else 0], contact) for i in range(n - 1)]
-        for p in procs[1:]:
-            p.stdout.readline()
-        if late:
-            procs.append(_spawn([mode, want, ROUNDS, 0], contact))
-        outs = []
-        for p in procs:
-            out, _ = p.communicate(timeout=120)
-            assert p.returncode == 0, out
-            lines = out.strip().splitlines()
-            if lines and "outer" in lines[-1]:
-                outs.append(json.loads(lines[-1]))
-        return outs
-    finally:
-        for p in procs:
-            p.kill()
+    args = [[mode, want, ROUNDS, die_at if i == n - 1 else 0] for i in range(n)]
+    results = harness.elastic_group(_WORKER, args, late=[[mode, want, ROUNDS, 0]] if late else [])
+    return [lines[-1] for lines in results if lines and "outer" in lines[-1]]
 
 
 def _outer_step(outer, m, g):

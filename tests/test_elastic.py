@@ -434,23 +434,7 @@ except plait.PlaitError as e:
 
 
 def test_members_whose_calls_differ_get_that_error_instead_of_retrying_for_ever():
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    env.pop("PLAIT_JOIN", None)
-    env.pop("PLAIT_JOIN_STORE", None)
-    founder = subprocess.Popen([sys.executable, "-c", _MISMATCH_WORKER], env=env, stdout=subprocess.PIPE, text=True)
-    procs = [founder]
-    try:
-        contact = json.loads(founder.stdout.readline())["contact"]
-        procs.append(subprocess.Popen([sys.executable, "-c", _MISMATCH_WORKER], env=dict(env, PLAIT_JOIN=contact),
-                                      stdout=subprocess.PIPE, text=True))
-        procs[1].stdout.readline()
-        results = []
-        for p in procs:
-            out, _ = p.communicate(timeout=60)
-            results.append(json.loads(out.strip().splitlines()[-1]))
-    finally:
-        for p in procs:
-            p.kill()
+    results = [lines[-1] for lines in harness.elastic_group(_MISMATCH_WORKER, [[], []], timeout=60)]
     for r in results:
         assert r["error"] in ("MismatchError", "PeerError"), r
         assert "mismatch" in r["message"] and r["seconds"] < 10, r

@@ -10,6 +10,7 @@ import sys
 import numpy as np
 import pytest
 
+import harness
 from plait._shared_state import plan, winner
 
 A, B, C = b"a" * 32, b"b" * 32, b"c" * 32
@@ -161,19 +162,7 @@ comm.close()
 
 
 def test_a_chunk_that_arrives_other_than_announced_is_not_written_and_every_member_is_told():
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    env.pop("PLAIT_JOIN", None)
-    env.pop("PLAIT_JOIN_STORE", None)
-    founder = subprocess.Popen([sys.executable, "-c", _LIAR], env=env, stdout=subprocess.PIPE, text=True)
-    procs = [founder]
-    try:
-        contact = json.loads(founder.stdout.readline())["contact"]
-        procs.append(subprocess.Popen([sys.executable, "-c", _LIAR], env=dict(env, PLAIT_JOIN=contact), stdout=subprocess.PIPE, text=True))
-        procs[1].stdout.readline()
-        results = [_lines(p, 60)[-1] for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
+    results = [lines[-1] for lines in harness.elastic_group(_LIAR, [[], []], timeout=60)]
     for r in results:
         assert r["error"] and "another hash than their sender announced" in r["error"], r
     assert results[0]["w"] == [1.0, 1.0, 1.0]

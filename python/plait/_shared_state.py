@@ -46,8 +46,10 @@ def _byte_view(x: Any, name: str) -> Tuple[np.ndarray, Tuple[str, List[int]]]:
             raise InvalidArgumentError(f"{w}: {name!r} is on {x.device}; shared state is held in CPU memory")
         if not x.is_contiguous():
             raise InvalidArgumentError(f"{w}: {name!r} is not contiguous")
+        import torch
+
         t = x.detach()
-        return t.reshape(-1).view(__import__("torch").uint8).numpy(), (str(t.dtype), list(t.shape))
+        return t.reshape(-1).view(torch.uint8).numpy(), (str(t.dtype), list(t.shape))
     if not isinstance(x, np.ndarray):
         raise InvalidArgumentError(f"{w}: {name!r} is a {type(x).__name__}; give numpy arrays or CPU torch tensors (used in place)")
     if not x.flags.c_contiguous or not x.flags.writeable:
@@ -79,20 +81,12 @@ class SharedState:
             (e, s, min(s + self.chunk_bytes, b.nbytes)) for e, b in enumerate(self._bytes) for s in range(0, b.nbytes, self.chunk_bytes)]
         self.synced = False  # a member votes once its state has been synced
 
-    @property
-    def nbytes(self) -> int:
-        return sum(b.nbytes for b in self._bytes)
-
     def chunk(self, k: int) -> np.ndarray:
         e, s, t = self.chunks[k]
         return self._bytes[e][s:t]
 
     def chunk_hashes(self) -> bytes:
         return b"".join(_core.chunk_hashes(b.ctypes.data, b.nbytes, self.chunk_bytes) for b in self._bytes)
-
-    def describe(self, k: int) -> str:
-        e, s, t = self.chunks[k]
-        return f"bytes {s}..{t} of {self.names[e]!r}"
 
 
 def winner(headers: Sequence[Tuple[bytes, bytes, bool]]) -> int:
@@ -175,7 +169,10 @@ def _sync_once(comm: Any, state: SharedState, round_bytes: int, report: Dict[str
     table = [[bytes(row[k * HASH:(k + 1) * HASH]) for k in range(nchunks)] for row in table_bytes]
     sizes = [t - s for _, s, t in state.chunks]
     bad = 0
-    for rnd in plan(table, win, sizes, round_bytes):
+    rounds = plan(table, win, sizes, round_bytes)
+    # One receive buffer for every round: the largest any round brings this member.
+    inbox = np.empty(max((sum(sizes[k] for k, _, dst in r if dst == me) for r in rounds), default=0), np.uint8)
+    for rnd in rounds:
         sends = sorted((dst, k) for k, src, dst in rnd if src == me)
         recvs = sorted((src, k) for k, src, dst in rnd if dst == me)
         send_counts, recv_counts = [0] * n, [0] * n
@@ -183,7 +180,7 @@ def _sync_once(comm: Any, state: SharedState, round_bytes: int, report: Dict[str
             send_counts[dst] += sizes[k]
         for src, k in recvs:
             recv_counts[src] += sizes[k]
-        out = np.empty(sum(recv_counts), np.uint8)
+        out = inbox[:sum(recv_counts)]
         send = np.concatenate([state.chunk(k) for _, k in sends]) if sends else np.empty(0, np.uint8)
         comm.alltoall_v(send, send_counts, recv_counts, out=out)
         report["sent_bytes"] += send.nbytes

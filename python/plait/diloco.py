@@ -70,7 +70,7 @@ class DiLoCo:
         self.comm = comm
         self.lr, self.mu, self.nesterov = float(outer_lr), float(outer_momentum), bool(nesterov)
         self.every, self.mode, self.fragments = int(every), mode, fragments
-        self.wire = "native" if wire in ("f32", "float32", "native", None) else _core.wire_name(wire)
+        self.wire = _core.wire_name(wire or "native")  # "f32" and the like are "native"
         self.error_feedback = (self.wire != "native") if error_feedback is None else bool(error_feedback)
         # The parameters live in one flat buffer, so the round's delta is one subtraction.
         n = sum(p.numel() for p in self.params)
@@ -94,7 +94,6 @@ class DiLoCo:
         bounds = [round(i * n / fragments) for i in range(fragments + 1)]
         self.fragment_slices = [slice(bounds[i], bounds[i + 1]) for i in range(fragments)]
         self.bytes_sent = 0  # payload bytes this member contributed to averages (wire encoding included)
-        self.averages = 0
         self._fresh = True
         self._flight: Optional[threading.Thread] = None
         self._flight_error: Optional[BaseException] = None
@@ -196,7 +195,6 @@ class DiLoCo:
         else:
             self.comm.allreduce(a, "avg", out=a, **kw)
         self.bytes_sent += _core.wire_bytes(self.wire, a.size)
-        self.averages += 1
 
     def _apply(self, g: torch.Tensor, sl: slice) -> None:
         """The outer step on `outer[sl]` with the averaged delta `g`: torch's SGD with momentum
@@ -204,7 +202,7 @@ class DiLoCo:
         m, o = self.momentum[sl], self.outer[sl]
         m.mul_(self.mu).add_(g)
         step = g.add(m, alpha=self.mu) if self.nesterov else m
-        o.sub_(step * self.lr)
+        o.add_(step, alpha=-self.lr)
 
     def _round_sync(self, sl: slice) -> None:
         delta = self._delta(sl)

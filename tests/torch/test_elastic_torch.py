@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+import harness
+
 _WORKER = r"""
 import hashlib, json, os, sys, torch
 import plait, plait.elastic
@@ -40,34 +42,14 @@ comm.close()
 """
 
 
-def _run_group(worker, founder_args, joiner_args, survivors=2, timeout=120):
-    """Starts `worker` as a founder (`founder_args`) and one joiner per entry of `joiner_args`
-    (through the founder's contact); returns the last JSON line of the founder and of the first
-    `survivors - 1` joiners (the others may crash on purpose), each having exited 0."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    env.pop("PLAIT_JOIN", None)
-    env.pop("PLAIT_JOIN_STORE", None)
-    founder = subprocess.Popen([sys.executable, "-c", worker, *founder_args], env=env, stdout=subprocess.PIPE, text=True)
-    procs = [founder]
-    try:
-        contact = json.loads(founder.stdout.readline())["contact"]
-        procs += [subprocess.Popen([sys.executable, "-c", worker, *args], env=dict(env, PLAIT_JOIN=contact),
-                                   stdout=subprocess.PIPE, text=True) for args in joiner_args]
-        results = []
-        for p in procs[:survivors]:
-            out, _ = p.communicate(timeout=timeout)
-            assert p.returncode == 0, out
-            results.append(json.loads(out.strip().splitlines()[-1]))
-        for p in procs[survivors:]:
-            p.communicate(timeout=60)
-        return results
-    finally:
-        for p in procs:
-            p.kill()
+def _survivors(worker, args, timeout=120):
+    """The last JSON line of each member that ran to its end (a member that crashed on purpose
+    printed none)."""
+    return [lines[-1] for lines in harness.elastic_group(worker, args, timeout=timeout) if lines]
 
 
 def test_members_train_to_identical_weights_through_a_join_and_a_crash():
-    results = _run_group(_WORKER, ["3", "0"], [["3", "0"], ["3", "15"]])
+    results = _survivors(_WORKER, [["3", "0"], ["3", "0"], ["3", "15"]])
     assert results[0]["digest"] == results[1]["digest"], "the survivors' weights differ"
     assert results[0]["world"] == 2, "the crashed member was left out"
     assert results[0]["committed"] >= 30, results
@@ -131,7 +113,7 @@ dist.destroy_process_group()
 
 
 def test_torch_default_group_follows_the_view_and_ddp_keeps_weights_identical_through_a_join_and_a_crash():
-    results = _run_group(_DIST_WORKER, ["3", "0"], [["3", "0"], ["3", "12"]])
+    results = _survivors(_DIST_WORKER, [["3", "0"], ["3", "0"], ["3", "12"]])
     assert results[0]["digest"] == results[1]["digest"], "the survivors' weights differ"
     for r in results:
         assert r["worlds"] == [2, 3], r                  # dist.get_world_size() followed the views
@@ -171,7 +153,7 @@ dist.destroy_process_group()
 
 
 def test_a_call_of_several_operations_that_loses_a_member_is_undone_as_a_whole():
-    results = _run_group(_COALESCED_WORKER, ["stay"], [["stay"], ["quit"]], timeout=60)
+    results = _survivors(_COALESCED_WORKER, [["stay"], ["stay"], ["quit"]], timeout=60)
     for r in results:
         assert r["lost"] == 1 and r["world"] == 2, r
         assert r["a"] == 3.0 and r["b"] == 3.0, r    # ranks 0 and 1 of the two survivors: 1 + 2

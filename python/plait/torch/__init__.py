@@ -26,11 +26,11 @@ def register():
         from .backend import create
 
         dist.Backend.register_backend(BACKEND_NAME, create, extended_api=True, devices=DEVICES)
-    _skip_torch_flight_recorder_hook()
+    skip_torch_flight_recorder_hook(BACKEND_NAME)
     _registered = True
 
 
-def _skip_torch_flight_recorder_hook():
+def skip_torch_flight_recorder_hook(backend_name):
     """torch 2.15 attaches a generic flight-recorder hook to every group of a backend not listed
     as recording itself. On a plait group it records nothing (plait's c10d methods are Python
     overrides, which bypass the C++ dispatch the hook sits in) and costs about 18 ms of CPU per
@@ -42,7 +42,7 @@ def _skip_torch_flight_recorder_hook():
         return
     recording_itself = getattr(c10d, "_FR_SELF_RECORDING_BACKENDS", None)
     if isinstance(recording_itself, set):
-        recording_itself.add(BACKEND_NAME)
+        recording_itself.add(backend_name)
 
 
 def __getattr__(name):

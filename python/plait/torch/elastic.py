@@ -128,23 +128,33 @@ def _average_over_members(group, bucket):  # no annotations: DDP checks them aga
     return fut
 
 
+def _by_dtype(tensors: List[torch.Tensor]) -> List[List[torch.Tensor]]:
+    """`tensors` grouped by dtype (one collective each), the groups in the same order on every
+    member."""
+    groups: Dict[torch.dtype, List[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault(t.dtype, []).append(t)
+    return [groups[d] for d in sorted(groups, key=str)]
+
+
+@torch.no_grad()
+def _unflatten(flat: torch.Tensor, tensors: List[torch.Tensor]) -> None:
+    at = 0
+    for t in tensors:
+        t.copy_(flat[at:at + t.numel()].view_as(t))
+        at += t.numel()
+
+
 @torch.no_grad()
 def sync_from_senior(tensors: List[torch.Tensor], group: ElasticProcessGroup) -> None:
     """Every member takes the values of `tensors` from the most senior member (rank 0 of the
     view the broadcast completes in); one broadcast per dtype."""
-    by_dtype: Dict[torch.dtype, List[torch.Tensor]] = {}
-    for t in tensors:
-        by_dtype.setdefault(t.dtype, []).append(t)
-    for dtype in sorted(by_dtype, key=str):  # the same order on every member
-        ts = by_dtype[dtype]
+    for ts in _by_dtype(tensors):
         flat = torch.cat([t.detach().reshape(-1) for t in ts])
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
         _retried(lambda: group.broadcast([flat], opts).wait())
-        at = 0
-        for t in ts:
-            t.copy_(flat[at:at + t.numel()].view_as(t))
-            at += t.numel()
+        _unflatten(flat, ts)
 
 
 _solo = []
@@ -170,25 +180,16 @@ class GradientAverager:
             if p.device.type != "cpu":
                 raise ValueError(f"GradientAverager: a parameter is on {p.device}; elastic mode averages CPU tensors")
 
-    def _groups(self) -> Dict[torch.dtype, List[torch.Tensor]]:
-        groups: Dict[torch.dtype, List[torch.Tensor]] = {}
-        for p in self.params:
-            groups.setdefault(p.dtype, []).append(p)
-        return groups
-
     def average(self) -> bool:
         """Averages every parameter's gradient over the current members (one allreduce per
         dtype); a parameter without a gradient counts as zeros. False if it could not be done."""
-        for dtype, ps in self._groups().items():
-            flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in ps])
-            self.comm.allreduce_with_retry(flat.numpy(), "avg", out=flat.numpy())
-            at = 0
+        for ps in _by_dtype(self.params):
             for p in ps:
-                n = p.numel()
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-                p.grad.copy_(flat[at:at + n].view_as(p))
-                at += n
+            flat = torch.cat([p.grad.reshape(-1) for p in ps])
+            self.comm.allreduce_with_retry(flat.numpy(), "avg", out=flat.numpy())
+            _unflatten(flat, [p.grad for p in ps])
         return True
 
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
@@ -208,16 +209,7 @@ class GradientAverager:
     def sync_parameters(self) -> None:
         """Every member takes the parameters of the most senior member (rank 0): call it after
         `update()` returns True, so that joiners start from the group's weights."""
-        for dtype, ps in self._groups().items():
+        for ps in _by_dtype(self.params):
             flat = torch.cat([p.detach().reshape(-1) for p in ps])
-            while True:
-                try:
-                    self.comm.broadcast(flat.numpy(), 0)
-                    break
-                except PeerLost:
-                    flat = torch.cat([p.detach().reshape(-1) for p in ps])  # rank 0 may be another member now
-            at = 0
-            for p in ps:
-                n = p.numel()
-                p.copy_(flat[at:at + n].view_as(p))
-                at += n
+            _retried(lambda: self.comm.broadcast(flat.numpy(), 0))  # a failed one leaves `flat` as it was
+            _unflatten(flat, ps)

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from .._core import InvalidArgumentError, PlaitError
+from . import skip_torch_flight_recorder_hook
 from .backend import PlaitProcessGroup
 from .engine import Group, issue
 from .options import from_pg_options
@@ -184,11 +185,7 @@ def install_as_default(pg: ElasticProcessGroup) -> None:
                                                "call dist.destroy_process_group() first"))
     if BACKEND_NAME.upper() not in getattr(dist.Backend, "_plugins", {}):
         dist.Backend.register_backend(BACKEND_NAME, _creator, devices=["cpu"])
-        from torch.distributed import distributed_c10d as c10d
-
-        recording_itself = getattr(c10d, "_FR_SELF_RECORDING_BACKENDS", None)
-        if isinstance(recording_itself, set):  # as for "plait" (plait/torch/__init__.py)
-            recording_itself.add(BACKEND_NAME)
+        skip_torch_flight_recorder_hook(BACKEND_NAME)
     # torch's bookkeeping wants a rank and a size for the group it registers; the group itself
     # answers rank() and size() from the view at every call.
     _installing.append(pg)

@@ -12,30 +12,25 @@ pub fn chunk_hashes(data: &[u8], chunk: usize) -> Vec<u8> {
     assert!(chunk > 0, "chunk_hashes: chunk size 0");
     let pieces: Vec<&[u8]> = data.chunks(chunk).collect();
     let mut out = vec![0u8; pieces.len() * HASH_BYTES];
-    let threads = thread::available_parallelism().map_or(1, |n| n.get()).min(pieces.len()).max(1);
-    if threads == 1 || data.len() < (2 << 20) {
-        for (piece, slot) in pieces.iter().zip(out.chunks_mut(HASH_BYTES)) {
-            slot.copy_from_slice(blake3::hash(piece).as_bytes());
-        }
+    // Small buffers, or one piece, on the caller's thread: a thread would cost more than it saves.
+    let threads = if data.len() < (2 << 20) { 1 } else { thread::available_parallelism().map_or(1, |n| n.get()) };
+    let per = pieces.len().div_ceil(threads).max(1);
+    if per >= pieces.len() {
+        hash_into(&mut out, &pieces);
         return out;
     }
-    // Piece i goes to thread i % threads: neighbours on different threads, so an uneven last
-    // piece costs one thread little.
-    let mut slots: Vec<Vec<(usize, &mut [u8])>> = (0..threads).map(|_| Vec::new()).collect();
-    for (i, slot) in out.chunks_mut(HASH_BYTES).enumerate() {
-        slots[i % threads].push((i, slot));
-    }
     thread::scope(|s| {
-        for mine in slots {
-            let pieces = &pieces;
-            s.spawn(move || {
-                for (i, slot) in mine {
-                    slot.copy_from_slice(blake3::hash(pieces[i]).as_bytes());
-                }
-            });
+        for (slots, mine) in out.chunks_mut(per * HASH_BYTES).zip(pieces.chunks(per)) {
+            s.spawn(move || hash_into(slots, mine));
         }
     });
     out
+}
+
+fn hash_into(slots: &mut [u8], pieces: &[&[u8]]) {
+    for (slot, piece) in slots.chunks_mut(HASH_BYTES).zip(pieces) {
+        slot.copy_from_slice(blake3::hash(piece).as_bytes());
+    }
 }
 
 #[cfg(test)]

@@ -213,7 +213,7 @@ class Churn:
         slots = list(range(self.n))
         rng.shuffle(slots)
         b, a = sorted(slots[: self.n // 2]), sorted(slots[self.n // 2:])
-        self._act(*(time.time(), "partition", None))
+        self._act(time.time(), "partition", None)
         self._set_cut(a, b, up=False)
         self.cut = (a, b, time.time() + seconds)
 
@@ -221,7 +221,7 @@ class Churn:
         if self.cut and time.time() >= self.cut[2]:
             a, b, _ = self.cut
             self._set_cut(a, b, up=True)
-            self._act(*(time.time(), "heal", None))
+            self._act(time.time(), "heal", None)
             self.cut = None
 
     def _set_cut(self, a, b, up):
@@ -253,7 +253,7 @@ class Churn:
 
     def join(self, wait: bool = True) -> Member:
         m = self._spawn(self.contacts())
-        self._act(*(time.time(), "join", None))
+        self._act(time.time(), "join", None)
         if wait:
             self._wait_joined(m, 30)
         return m
@@ -272,13 +272,13 @@ class Churn:
         return sum(1 for m in self.members if m.proc.poll() is None)
 
     def kill(self, m: Member, label: str = "kill"):
-        self._act(*(time.time(), label, m.id))
+        self._act(time.time(), label, m.id)
         m.proc.send_signal(signal.SIGKILL)
         m.proc.wait()
         self._release(m)
 
     def stop(self, m: Member, seconds: float):
-        self._act(*(time.time(), "stop", m.id))
+        self._act(time.time(), "stop", m.id)
         m.proc.send_signal(signal.SIGSTOP)
         m.stopped_until = time.time() + seconds
 
