@@ -147,7 +147,9 @@ while True:
         lost += 1
         assert torch.equal(a, before[0]) and torch.equal(b, before[1]), "a failed call left a part of it done"
         a, b = torch.full((1000,), float(dist.get_rank() + 1)), torch.full((7,), float(dist.get_rank() + 1), dtype=torch.float64)
-print(json.dumps({"lost": lost, "a": a[0].item(), "b": b[0].item(), "world": dist.get_world_size()}), flush=True)
+world = dist.get_world_size()
+dist.barrier()                  # the other survivor may not leave (and shrink the view) before world is read
+print(json.dumps({"lost": lost, "a": a[0].item(), "b": b[0].item(), "world": world}), flush=True)
 dist.destroy_process_group()
 """
 
