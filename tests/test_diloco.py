@@ -19,7 +19,7 @@ import hashlib, json, os, sys, time, torch
 import plait, plait.elastic
 from plait.diloco import DiLoCo
 
-mode, want, rounds, die_at = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+mode, want, rounds, die_at, start = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
 D, H = 10, 3
 comm = plait.elastic.join(listen="127.0.0.1:0", heartbeat_timeout=2, timeout=30)
 give_up = time.time() + 60
@@ -33,13 +33,14 @@ model = Point()
 inner = torch.optim.SGD(model.parameters(), lr=0.1)
 diloco = DiLoCo(model, inner, comm, outer_lr=0.7, outer_momentum=0.9, every=H, mode=mode,
                 fragments=2 if mode == "streaming" else 1)
-targets, slept = {}, False
+targets, slept, first = {}, False, None
 # One loop, one update() per iteration, as in training: a step is taken only when the view (the
 # same on every member) is as large as wanted, so every member makes the same calls.
 while diloco.inner_steps < rounds * H and time.time() < give_up:
     diloco.update()                                 # a joiner's first: the update point that admitted it
+    first = diloco.inner_steps if first is None else first
     if diloco.inner_steps == 0:
-        need = 3                                    # the first three start together
+        need = start                                # the first ones start together
     elif mode == "async":
         # The update point of async mode is the end of a round: give the late joiner time to
         # be waiting by the end of round 2, where it joins that round's average.
@@ -48,7 +49,8 @@ while diloco.inner_steps < rounds * H and time.time() < give_up:
             slept = True
         need = 1
     else:
-        need = want if diloco.inner_steps == H else 1   # the late joiner is awaited after round 1
+        # the late joiner is awaited after round 1 (by the members: it has joined when it gets here)
+        need = want if diloco.inner_steps == H and first == 0 else 1
     if comm.world_size < need:
         continue
     rank = comm.rank
@@ -64,7 +66,7 @@ diloco.finish()
 digest = hashlib.sha256(diloco.outer.numpy().tobytes() + diloco.momentum.numpy().tobytes()).hexdigest()
 print(json.dumps({"rank": comm.rank, "outer": diloco.outer.tolist(), "local": model.w.detach().tolist(),
                   "rounds": diloco.rounds, "digest": digest, "targets": targets, "world": comm.world_size,
-                  "bytes": diloco.bytes_sent}), flush=True)
+                  "bytes": diloco.bytes_sent, "first": first}), flush=True)
 comm.barrier()
 comm.close()
 """
@@ -74,8 +76,8 @@ def _group(mode, n=3, die_at=0, late=False):
     """n members run `mode`; with `die_at`, the last started dies after that inner step; with
     `late`, one more joins after the first round. Returns the survivors' final lines."""
     want = n + 1 if late else n
-    args = [[mode, want, ROUNDS, die_at if i == n - 1 else 0] for i in range(n)]
-    results = harness.elastic_group(_WORKER, args, late=[[mode, want, ROUNDS, 0]] if late else [])
+    args = [[mode, want, ROUNDS, die_at if i == n - 1 else 0, n] for i in range(n)]
+    results = harness.elastic_group(_WORKER, args, late=[[mode, want, ROUNDS, 0, n]] if late else [])
     return [lines[-1] for lines in results if lines and "outer" in lines[-1]]
 
 
@@ -84,21 +86,25 @@ def _outer_step(outer, m, g):
     return outer - LR * (g + MU * m), m
 
 
-def _reference(mode, n):
-    """The DiLoCo update in numpy: member r pulls its parameters towards r + 1 with SGD."""
+def _reference(mode, n, joiner=False):
+    """The DiLoCo update in numpy: member r pulls its parameters towards r + 1 with SGD. With
+    `joiner` (sync and streaming), member n is admitted after round 1: it sits out round 2 (weight
+    0: the averages are the members' alone) and trains from round 3 on."""
     outer = np.linspace(-1.0, 1.0, D).astype(np.float32).astype(np.float64)
     m = np.zeros(D)
     local = [outer.copy() for _ in range(n)]
     pending = None
     frags = [slice(0, 5), slice(5, 10)] if mode == "streaming" else [slice(None)]
     for t in range(1, ROUNDS * H + 1):
-        for r in range(n):
+        if joiner and t == 2 * H + 1:
+            local.append(outer.copy())
+        for r in range(len(local)):
             local[r] = local[r] - INNER_LR * (local[r] - (r + 1))
         offset = t % H or H
         due = [sl for f, sl in enumerate(frags) if offset == (f + 1) * H // len(frags)] if mode == "streaming" else \
               ([slice(None)] if t % H == 0 else [])
         for sl in due:
-            avg = np.mean([outer[sl] - local[r][sl] for r in range(n)], axis=0)
+            avg = np.mean([outer[sl] - local[r][sl] for r in range(len(local))], axis=0)
             if mode == "async":
                 if pending is not None:
                     outer, m = _outer_step(outer, m, pending)
@@ -108,7 +114,7 @@ def _reference(mode, n):
             o, mm = _outer_step(outer[sl], m[sl], avg)
             outer, m = outer.copy(), m.copy()
             outer[sl], m[sl] = o, mm
-            for r in range(n):
+            for r in range(len(local)):
                 local[r][sl] = outer[sl]
     if mode == "async" and pending is not None:
         outer, m = _outer_step(outer, m, pending)
@@ -135,6 +141,18 @@ def test_the_outer_state_stays_bit_identical_through_a_join_and_a_crash(mode):
     assert len({o["rounds"] for o in outs}) == 1 and outs[0]["rounds"] == ROUNDS, [o["rounds"] for o in outs]
     assert all(o["world"] == 3 for o in outs)
     assert all(o["outer"] == o["local"] for o in outs)                # after the last round: local = outer
+
+
+@pytest.mark.parametrize("mode", ["sync", "streaming"])
+def test_a_joiner_sits_out_the_round_it_joins_in_with_weight_0_and_then_trains(mode):
+    outs = _group(mode, n=2, late=True)
+    assert len(outs) == 3, outs
+    assert len({o["digest"] for o in outs}) == 1, "the members' outer states differ"
+    assert sorted(o["first"] for o in outs) == [0, 0, H]                # the joiner came in after round 1
+    assert all(o["rounds"] == ROUNDS for o in outs), [o["rounds"] for o in outs]
+    np.testing.assert_allclose(outs[0]["outer"], _reference(mode, 2, joiner=True), rtol=1e-5, atol=1e-5)
+    joiner = next(o for o in outs if o["first"] == H)
+    assert joiner["bytes"] == (ROUNDS - 1) * 4 * D                      # it took part in every average after it joined
 
 
 def test_the_readme_example_trains_ddp_and_diloco_and_diloco_sends_far_fewer_bytes(tmp_path):

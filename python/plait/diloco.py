@@ -17,10 +17,12 @@ less again.
 
 The outer state (the outer parameters, the momentum, the step counters and, in async mode, the
 average not yet applied) is shared state (`plait.elastic.SharedState`): a joiner receives it at
-the update point that admits it, striped over the members, and starts its inner steps from the
-outer parameters. A member lost during an average: it is retried over the members left, and the
-average divides by those that took part; every member applies the same outer step, so the outer
-parameters stay bit-identical.
+the update point that admits it (the start of a round), striped over the members. In sync and
+streaming modes the members send it from a background thread and go on with their inner steps;
+the joiner sits out the rest of that round (it takes part in the round's average with weight 0)
+and trains from the next one. A member lost during an average: it is retried over the members
+left, and the average divides by the weight of those that took part; every member applies the
+same outer step, so the outer parameters stay bit-identical.
 
 Modes: `mode="sync"` (the average is waited for at the end of each round), `"async"` (the
 average of round t runs in the background during the inner steps of round t+1 and is applied at
@@ -41,6 +43,7 @@ import numpy as np
 import torch
 
 from . import _core
+from ._core import PeerLost
 from ._shared_state import SharedState
 
 MODES = ("sync", "async", "streaming")
@@ -88,9 +91,12 @@ class DiLoCo:
         # inner steps taken, rounds applied, whether `pending` holds an average not yet applied,
         # whether rounds end with a background average (async mode, after the first round)
         self.counters = torch.zeros(4, dtype=torch.int64)
+        # The counters as they were at the update point: what is shared, since `counters` moves on
+        # during a catch-up in the background.
+        self.counters_shared = torch.zeros(4, dtype=torch.int64)
         self.residual = torch.zeros(n) if self.error_feedback else None
         self.state = SharedState({"outer": self.outer, "momentum": self.momentum, "pending": self.pending,
-                                  "counters": self.counters})
+                                  "counters": self.counters_shared})
         bounds = [round(i * n / fragments) for i in range(fragments + 1)]
         self.fragment_slices = [slice(bounds[i], bounds[i + 1]) for i in range(fragments)]
         self.bytes_sent = 0  # payload bytes this member contributed to averages (wire encoding included)
@@ -98,6 +104,12 @@ class DiLoCo:
         self._flight: Optional[threading.Thread] = None
         self._flight_error: Optional[BaseException] = None
         self._flight_buf: Optional[torch.Tensor] = None
+        self._catchup: Optional[threading.Thread] = None
+        self._catchup_error: Optional[BaseException] = None
+        self._catchup_steps = 0  # `counters[0]` when the catch-up under way started
+        self._sit_out = False  # a joiner's first round: it takes part in its averages with weight 0
+        self.catchup_reports: List[dict] = []  # what each background catch-up did (`sync_shared_state`'s report)
+        self.steps_during_catchup = 0  # inner steps this member took while it sent joiners the outer state
 
     # -- the loop's calls --------------------------------------------------------------------------
 
@@ -115,35 +127,68 @@ class DiLoCo:
 
     def update(self) -> bool:
         """The update point (elastic mode): admits joiners (`comm.update()`), and when the view
-        changed shares the outer state (`sync`). Every member calls it at the same place in its
-        loop. True if the view changed. In async mode, while an average runs in the background
-        (from the end of the first round on), the update point moves to the end of each round
-        (waiting here would undo the overlap): this call returns False, and joiners come in when
-        the round ends."""
-        if self._flight is not None:
+        changed shares the outer state. Every member calls it at the same place in its loop (every
+        iteration is fine); True if the view changed.
+
+        It communicates only at the start of a round (inner steps a multiple of `every`); other
+        calls return False at once, so a round costs one small collective, not one per step. When
+        the view changed, members that have trained send the outer state from a background thread
+        while their inner steps go on (the round's first average waits for it); a joiner receives
+        it here, then sits out the rest of the round: its next `step()` takes part in the round's
+        averages with weight 0 (no inner step), and it trains from the next round on. In async
+        mode the state is shared here, in the foreground, and while an average runs in the
+        background (from the end of the first round on) the update point moves to the end of each
+        round (waiting here would undo the overlap): this call returns False, and joiners come in
+        when the round ends."""
+        if self._flight is not None or int(self.counters[0]) % self.every:
             return False
+        self._land_catchup()
         changed = bool(self.comm.update())
-        if changed:
-            self.sync()
-            if self.mode == "async" and int(self.counters[3]):
-                # A joiner admitted at the end of a round: the members are starting that round's
-                # average, so it starts its part too (its delta is zero: it has not trained yet).
-                self._round_async_tail()
-        return changed
+        if not changed:
+            return False
+        if self.mode != "async" and int(self.counters[0]) > 0:
+            self._start_catchup()
+            return True
+        joining = self._fresh
+        self.sync()
+        if joining and int(self.counters[0]) > 0:
+            # The members have trained: this member joins mid-run.
+            if self.mode == "async":
+                if int(self.counters[3]):
+                    # Admitted at the end of a round: the members are starting that round's
+                    # average, so it starts its part too, with weight 0 (it has not trained).
+                    self._round_async_tail(weight=0)
+            else:
+                self._sit_out = True
+        elif self.mode == "async" and int(self.counters[3]):
+            self._round_async_tail()
+        return True
 
     def sync(self) -> dict:
-        """Makes the outer state bit-identical on every member (`sync_shared_state`); a member
-        that had none yet (a joiner) starts its inner steps from the outer parameters."""
+        """Makes the outer state bit-identical on every member now (`sync_shared_state`, in the
+        foreground); a member that had none yet (a joiner) starts its inner steps from the
+        outer parameters."""
+        self._land_catchup()
         self._land()
+        self.counters_shared.copy_(self.counters)
+        self._catchup_steps = int(self.counters[0])
         report = self.comm.sync_shared_state(self.state)
-        if self._fresh:
-            with torch.no_grad():
-                self.local.copy_(self.outer)
-            self._fresh = False
+        self._adopt_shared_counters()
         return report
 
     def step(self) -> None:
-        """The inner step (`inner_optimizer.step()`), then the outer step when one is due."""
+        """The inner step (`inner_optimizer.step()`), then the outer step when one is due. A
+        joiner's first call after it joined mid-run takes no inner step: it takes part, with
+        weight 0, in the averages left in the round under way, then moves to the round's end."""
+        if self._sit_out:
+            self._sit_out = False
+            end = (int(self.counters[0]) // self.every + 1) * self.every
+            for sl in self.fragment_slices:  # one slice, the whole vector, outside streaming mode
+                self._round_sync(sl, weight=0)
+            self.counters[0] = end
+            self.counters[1] += 1
+            return
+        self._fresh = False  # it has trained: its parameters are its own from now on
         self.inner.step()
         self.counters[0] += 1
         t = int(self.counters[0])
@@ -162,8 +207,9 @@ class DiLoCo:
                 self._round_async()
 
     def finish(self) -> None:
-        """Async mode: waits for the last average and applies it (call it before using the model
-        at the end of training). A no-op in the other modes."""
+        """Waits for what runs in the background; in async mode, applies the last average (call
+        it before using the model at the end of training)."""
+        self._land_catchup()
         self._land()
         if self.mode == "async" and int(self.counters[2]):
             self._apply(self.pending, slice(None))
@@ -186,15 +232,29 @@ class DiLoCo:
             self.residual[sl] = delta - sent
         return delta
 
-    def _average(self, buf: torch.Tensor) -> None:
+    def _average(self, buf: torch.Tensor, weight: int = 1) -> float:
+        """Averages `buf` in place over the members, each counted with its `weight` (a joiner
+        sitting out its first round: 0); returns the weights' sum (0: nobody trained)."""
         a = buf.numpy()
         kw = {} if self.wire == "native" else {"wire": self.wire}
-        retry = getattr(self.comm, "allreduce_with_retry", None)
-        if retry is not None:
-            retry(a, "avg", out=a, **kw)
-        else:
-            self.comm.allreduce(a, "avg", out=a, **kw)
         self.bytes_sent += _core.wire_bytes(self.wire, a.size)
+        if not hasattr(self.comm, "allreduce_with_retry"):  # a static group: every member trained
+            self.comm.allreduce(a, "avg", out=a, **kw)
+            return float(self.comm.world_size)
+        # The weights' sum and the sum of the deltas must come from the same members: a member
+        # lost during either fails both on every member alike, and both are run again (a failed
+        # call leaves its buffer as it was).
+        while True:
+            total = np.array([float(weight)])
+            try:
+                self.comm.allreduce(total, "sum", out=total)
+                self.comm.allreduce(a, "sum", out=a, **kw)
+                break
+            except PeerLost:
+                continue
+        if total[0] > 0:
+            buf.div_(float(total[0]))
+        return float(total[0])
 
     def _apply(self, g: torch.Tensor, sl: slice) -> None:
         """The outer step on `outer[sl]` with the averaged delta `g`: torch's SGD with momentum
@@ -204,10 +264,11 @@ class DiLoCo:
         step = g.add(m, alpha=self.mu) if self.nesterov else m
         o.add_(step, alpha=-self.lr)
 
-    def _round_sync(self, sl: slice) -> None:
+    def _round_sync(self, sl: slice, weight: int = 1) -> None:
+        self._land_catchup()
         delta = self._delta(sl)
-        self._average(delta)
-        self._apply(delta, sl)
+        if self._average(delta, weight) > 0:
+            self._apply(delta, sl)
         with torch.no_grad():
             self.local[sl] = self.outer[sl]
 
@@ -215,13 +276,14 @@ class DiLoCo:
         """End of a round in async mode: this round's delta (against the outer parameters that do
         not yet hold the last average) goes to a background average; the last average, complete
         by now, is applied and the inner steps restart from the result."""
+        self._land_catchup()
         self._land()
         self.counters[3] = 1  # an average starts at each round's end from now on (joiners admitted below join it)
         if bool(self.comm.update()):  # the update point of async mode
             self.sync()
         self._round_async_tail()
 
-    def _round_async_tail(self) -> None:
+    def _round_async_tail(self, weight: int = 1) -> None:
         delta = self._delta(slice(None))
         had_pending = bool(int(self.counters[2]))
         if had_pending:
@@ -231,13 +293,15 @@ class DiLoCo:
                 self.local.copy_(self.outer)
         self.counters[2] = 0
         self._flight_buf = delta
+        self._flight_weight = weight
+        self._flight_total = 0.0
         self._flight_error = None
         self._flight = threading.Thread(target=self._fly, name="plait-diloco-average", daemon=True)
         self._flight.start()
 
     def _fly(self) -> None:
         try:
-            self._average(self._flight_buf)
+            self._flight_total = self._average(self._flight_buf, self._flight_weight)
         except BaseException as e:  # raised on the loop's thread at the next landing
             self._flight_error = e
 
@@ -250,7 +314,46 @@ class DiLoCo:
         if self._flight_error is not None:
             e, self._flight_error = self._flight_error, None
             raise e
-        self.pending.copy_(self._flight_buf)
-        self.counters[2] = 1
+        if self._flight_total > 0:  # 0: nobody trained, no outer step (zeros would still move the momentum)
+            self.pending.copy_(self._flight_buf)
+            self.counters[2] = 1
         self._flight_buf = None
 
+    # -- a joiner's catch-up, in the background on the members ---------------------------------------
+
+    def _start_catchup(self) -> None:
+        """Shares the outer state (as it is at this update point) from a background thread: the
+        outer state does not change before the round's first average, which waits for it."""
+        self.counters_shared.copy_(self.counters)
+        self._catchup_steps = int(self.counters[0])
+        self._catchup_error = None
+        self._catchup = threading.Thread(target=self._serve_catchup, name="plait-diloco-catchup", daemon=True)
+        self._catchup.start()
+
+    def _serve_catchup(self) -> None:
+        try:
+            self.catchup_reports.append(self.comm.sync_shared_state(self.state))
+        except BaseException as e:  # raised on the loop's thread where the catch-up is waited for
+            self._catchup_error = e
+
+    def _land_catchup(self) -> None:
+        if self._catchup is None:
+            return
+        self._catchup.join()
+        self._catchup = None
+        self.steps_during_catchup += int(self.counters[0]) - self._catchup_steps
+        if self._catchup_error is not None:
+            e, self._catchup_error = self._catchup_error, None
+            raise e
+        self._adopt_shared_counters()
+
+    def _adopt_shared_counters(self) -> None:
+        """After a sync: the counters are the group's (plus the inner steps taken since the
+        update point); a member that had no state yet starts from the outer parameters."""
+        taken = int(self.counters[0]) - self._catchup_steps
+        self.counters.copy_(self.counters_shared)
+        self.counters[0] += taken
+        if self._fresh:
+            with torch.no_grad():
+                self.local.copy_(self.outer)
+            self._fresh = False
