@@ -4,8 +4,12 @@
     python examples/diloco_train.py --plot diloco.png     # also draws loss against step and bytes (matplotlib)
 
 Each configuration starts MEMBERS processes on this machine that form an elastic group
-(`plait.elastic.join`) and train the same MLP (a regression on a fixed random teacher network;
-each member draws its own batches) for STEPS inner steps with AdamW:
+(`plait.elastic.join`) and train the same small language model for STEPS inner steps with AdamW.
+The text is synthetic (no download): token sequences drawn from a fixed random second-order
+Markov chain over 32 tokens; the model (an embedding of the last 3 tokens and an MLP) predicts the
+next token, and each member draws its own sequences. Its loss is a cross-entropy with a known
+floor: the chain's own entropy, which no model can beat; the table also gives each loss's excess
+over that floor.
 
 - `ddp`: gradients averaged every step (`GradientAverager`);
 - `diloco-H-WIRE`: `plait.diloco.DiLoCo` with H inner steps per round, the outer average in f32 or
@@ -24,31 +28,49 @@ import subprocess
 import sys
 import time
 
-D_IN, HIDDEN, D_OUT = 32, 256, 8
+VOCAB, CONTEXT, EMBED, HIDDEN = 32, 3, 32, 256
+SEQUENCE = 16  # predictions per drawn sequence
+
+
+def _chain():
+    """The next token's distribution after each pair of tokens: a fixed random second-order chain."""
+    import torch
+
+    gen = torch.Generator().manual_seed(1234)
+    return torch.softmax(2.0 * torch.randn(VOCAB, VOCAB, VOCAB, generator=gen), -1)
+
+
+def _draw(chain, sequences, length, gen):
+    import torch
+
+    seq = torch.empty(sequences, length, dtype=torch.long)
+    seq[:, :2] = torch.randint(0, VOCAB, (sequences, 2), generator=gen)
+    for t in range(2, length):
+        seq[:, t] = torch.multinomial(chain[seq[:, t - 2], seq[:, t - 1]], 1, generator=gen).squeeze(1)
+    windows = seq.unfold(1, CONTEXT + 1, 1).reshape(-1, CONTEXT + 1)
+    return windows[:, :CONTEXT], windows[:, CONTEXT]
 
 
 def model_and_data(seed_member, batch):
+    """The model (the same initial weights on every member), this member's batches, the validation
+    set and the loss floor on it (the chain's entropy at each of its positions, averaged)."""
     import torch
     import torch.nn as nn
 
-    torch.manual_seed(0)  # the same initial weights on every member
-    model = nn.Sequential(nn.Linear(D_IN, HIDDEN), nn.GELU(), nn.Linear(HIDDEN, HIDDEN), nn.GELU(), nn.Linear(HIDDEN, D_OUT))
-    teacher_gen = torch.Generator().manual_seed(1234)
-    w1 = torch.randn(D_IN, 64, generator=teacher_gen) / D_IN ** 0.5
-    w2 = torch.randn(64, D_OUT, generator=teacher_gen) / 8
-
-    def teacher(x):
-        return torch.tanh(x @ w1) @ w2
-
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(VOCAB, EMBED), nn.Flatten(), nn.Linear(CONTEXT * EMBED, HIDDEN), nn.GELU(),
+                          nn.Linear(HIDDEN, HIDDEN), nn.GELU(), nn.Linear(HIDDEN, VOCAB))
+    chain = _chain()
     gen = torch.Generator().manual_seed(100 + seed_member)
 
     def next_batch():
-        x = torch.randn(batch, D_IN, generator=gen)
-        return x, teacher(x) + 0.01 * torch.randn(batch, D_OUT, generator=gen)
+        x, y = _draw(chain, -(-batch // SEQUENCE), SEQUENCE + CONTEXT, gen)
+        return x[:batch], y[:batch]
 
-    vgen = torch.Generator().manual_seed(999)
-    vx = torch.randn(2048, D_IN, generator=vgen)
-    return model, next_batch, (vx, teacher(vx))
+    vx, vy = _draw(chain, 256, 40, torch.Generator().manual_seed(999))
+    p = chain[vx[:, -2], vx[:, -1]]
+    floor = -(p * p.log()).sum(-1).mean().item()
+    return model, next_batch, (vx, vy), floor
 
 
 def member(config, steps, batch, lr, eval_every, members, outer_lr, outer_momentum):
@@ -65,9 +87,9 @@ def member(config, steps, batch, lr, eval_every, members, outer_lr, outer_moment
     while comm.world_size < members:
         time.sleep(0.01)
         comm.update()
-    model, next_batch, (vx, vy) = model_and_data(comm.rank, batch)
+    model, next_batch, (vx, vy), floor = model_and_data(comm.rank, batch)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    loss_fn = torch.nn.MSELoss()
+    loss_fn = torch.nn.CrossEntropyLoss()
     n_params = sum(p.numel() for p in model.parameters())
     if config == "ddp":
         avg, diloco, every = GradientAverager(comm, model), None, eval_every
@@ -90,11 +112,10 @@ def member(config, steps, batch, lr, eval_every, members, outer_lr, outer_moment
     ddp_bytes = 0
     t0 = time.perf_counter()
     for step in range(1, steps + 1):
-        if step % every == 1 or every == 1:  # the update point: once per round (DDP: as often as it evaluates)
-            if diloco is None:
-                comm.update()
-            else:
-                diloco.update()
+        if diloco is not None:
+            diloco.update()  # the update point: it communicates at the start of each round only
+        elif step % eval_every == 1 or eval_every == 1:
+            comm.update()
         x, y = next_batch()
         loss_fn(model(x), y).backward()
         if diloco is None:
@@ -108,7 +129,8 @@ def member(config, steps, batch, lr, eval_every, members, outer_lr, outer_moment
     seconds = time.perf_counter() - t0
     if comm.rank == 0:
         print(json.dumps({"config": config, "curve": curve, "final_loss": curve[-1][1], "bytes": curve[-1][2],
-                          "params": n_params, "seconds": seconds, "members": comm.world_size}), flush=True)
+                          "params": n_params, "seconds": seconds, "members": comm.world_size, "floor": floor}),
+              flush=True)
     comm.barrier()
     comm.close()
 
@@ -152,8 +174,13 @@ def plot(results, path):
         left.plot(steps, losses, label=r["config"])
         sent = [(c[2] / 2**20, c[1]) for c in r["curve"] if c[2] > 0]  # from the first average on
         right.plot([b for b, _ in sent], [l for _, l in sent], label=r["config"])
-    left.set(xlabel="inner step", ylabel="validation loss", yscale="log", title="loss against step")
-    right.set(xlabel="MiB sent per member (payload)", ylabel="validation loss", xscale="log", yscale="log",
+    floor = results[0].get("floor")
+    for ax in (left, right):
+        if floor is not None:
+            ax.axhline(floor, color="grey", linestyle="--", linewidth=1, label="floor (the chain's entropy)")
+        ax.set_ylim(top=min(3.6, max(c[1] for r in results for c in r["curve"])))
+    left.set(xlabel="inner step", ylabel="validation loss (nats)", title="loss against step")
+    right.set(xlabel="MiB sent per member (payload)", ylabel="validation loss (nats)", xscale="log",
               title="loss against bytes sent")
     left.legend()
     fig.tight_layout()
@@ -163,9 +190,9 @@ def plot(results, path):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--members", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=1000)
+    ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--batch", type=int, default=64, help="per member and step")
-    ap.add_argument("--lr", type=float, default=1e-3, help="AdamW's (DDP's optimizer, DiLoCo's inner one)")
+    ap.add_argument("--lr", type=float, default=3e-3, help="AdamW's (DDP's optimizer, DiLoCo's inner one)")
     ap.add_argument("--eval-every", type=int, default=50)
     ap.add_argument("--outer-lr", type=float, default=0.7, help="DiLoCo's outer SGD learning rate")
     ap.add_argument("--outer-momentum", type=float, default=0.9, help="DiLoCo's outer Nesterov momentum")
@@ -184,14 +211,16 @@ def main():
     for config in a.configs.split(","):
         r = run_config(config, a)
         results.append(r)
-        print(f"{config:>16}: final validation loss {r['final_loss']:.5f}, {r['bytes'] / 2**20:9.2f} MiB sent per member, "
-              f"{r['seconds']:.1f} s", flush=True)
+        print(f"{config:>16}: final validation loss {r['final_loss']:.4f} (floor {r['floor']:.4f}), "
+              f"{r['bytes'] / 2**20:9.2f} MiB sent per member, {r['seconds']:.1f} s", flush=True)
     base = next((r for r in results if r["config"] == "ddp"), None)
     if base:
         print(f"\nagainst ddp ({a.steps} steps, {a.members} members, {base['params']} parameters):")
+        excess = base["final_loss"] - base["floor"]
         for r in results:
             if r is not base:
                 print(f"{r['config']:>16}: loss {100 * (r['final_loss'] / base['final_loss'] - 1):+6.1f} %, "
+                      f"excess over the floor {100 * ((r['final_loss'] - r['floor']) / excess - 1):+6.1f} %, "
                       f"{base['bytes'] / max(r['bytes'], 1):7.1f}x fewer bytes")
     if a.json:
         with open(a.json, "w") as f:

@@ -8,15 +8,15 @@
 Kill any member (the first one too) or start another mid-run: the others go on. Each step, every
 member trains on its slice of the step's global batch (cut by the current rank and world size),
 DDP averages the gradients over the members present, and a step during which a member was lost
-is dropped on every member alike (`should_commit`). A joiner takes the most senior member's
-weights and step number at the update point that admits it. Rank 0 prints the loss averaged over
+is dropped on every member alike (`should_commit`). The weights, AdamW's state and the step number
+are one shared state (`TrainingState`): a joiner downloads it, striped over the members, at the
+update point that admits it, so every member's weights stay bit-identical. Rank 0 prints the loss averaged over
 the members; at the end every member prints a digest of its weights (the same on all). torch
 warns once that DDP's find_unused_parameters found no unused parameter: plait's DDP sets it so
 that every member's buckets keep one layout (docs/elastic.md, "The torch process group").
 """
 
 import argparse
-import hashlib
 import json
 import os
 import sys
@@ -38,7 +38,7 @@ def main():
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--batch", type=int, default=96, help="global batch (split across the members present)")
     ap.add_argument("--hidden", type=int, default=256)
-    ap.add_argument("--lr", type=float, default=0.05)
+    ap.add_argument("--lr", type=float, default=0.01, help="AdamW's")
     ap.add_argument("--min-members", type=int, default=1, help="wait for this many members before the first step")
     ap.add_argument("--step-delay", type=float, default=0.0, help="seconds to sleep per step (time to kill members by hand)")
     a = ap.parse_args()
@@ -46,22 +46,19 @@ def main():
     pg = pe.init_process_group()
     torch.manual_seed(int(pg.elastic.member_id, 16) % 10007)  # each member starts from other weights
     model = pe.DistributedDataParallel(TinyNet(hidden=a.hidden))
-    # Plain SGD: an optimizer with state (momentum, Adam) needs that state shared too (issue 16).
-    opt = torch.optim.SGD(model.parameters(), lr=a.lr)
+    opt = torch.optim.AdamW(model.parameters(), lr=a.lr)
     loss_fn = nn.MSELoss()
     step = torch.zeros(1, dtype=torch.int64)  # the group's step number: a joiner takes it with the weights
-    model.sync_parameters()
-    pe.sync_from_senior([step], pg)
+    state = pe.TrainingState(model, opt, step=step)
+    state.sync(pg)
     while dist.get_world_size() < a.min_members:
         if pg.update():
-            model.sync_parameters()
-            pe.sync_from_senior([step], pg)
+            state.sync(pg)
         time.sleep(0.05)
     committed = 0
     while int(step) < a.steps:
         if pg.update():  # joiners come in here; rank and world size may move
-            model.sync_parameters()
-            pe.sync_from_senior([step], pg)
+            state.sync(pg)
             print(f"[member {pg.elastic.member_id}] epoch {pg.epoch}: rank {dist.get_rank()} of {dist.get_world_size()}",
                   flush=True)
         t0 = time.perf_counter()
@@ -84,7 +81,7 @@ def main():
         step += 1
         if a.step_delay:
             time.sleep(a.step_delay)
-    digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()[:16]
+    digest = state.digest()[:16]  # the weights, AdamW's state and the step number
     print(json.dumps({"member": pg.elastic.member_id, "committed": committed, "digest": digest}), flush=True)
     dist.destroy_process_group()
 

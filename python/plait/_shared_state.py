@@ -88,6 +88,11 @@ class SharedState:
     def chunk_hashes(self) -> bytes:
         return b"".join(_core.chunk_hashes(b.ctypes.data, b.nbytes, self.chunk_bytes) for b in self._bytes)
 
+    def digest(self) -> str:
+        """The state's hash (BLAKE3 of its chunk hashes), in hex: equal on two members exactly
+        when their states are bit-identical (with one layout)."""
+        return _hash(np.frombuffer(self.chunk_hashes(), np.uint8)).hex()
+
 
 def winner(headers: Sequence[Tuple[bytes, bytes, bool]]) -> int:
     """The rank whose state wins, from every member's (layout hash, state hash, votes): the state

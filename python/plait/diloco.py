@@ -24,6 +24,10 @@ and trains from the next one. A member lost during an average: it is retried ove
 left, and the average divides by the weight of those that took part; every member applies the
 same outer step, so the outer parameters stay bit-identical.
 
+While it communicates in the background (async mode: every round; sync and streaming modes: a
+round whose `update()` returned True), the communicator is DiLoCo's: a call of your own on it
+would pair with DiLoCo's in a different order on different members.
+
 Modes: `mode="sync"` (the average is waited for at the end of each round), `"async"` (the
 average of round t runs in the background during the inner steps of round t+1 and is applied at
 the end of round t+1, as in PCCL's async DiLoCo), `"streaming"` with `fragments=F` (the

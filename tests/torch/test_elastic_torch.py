@@ -42,10 +42,10 @@ comm.close()
 """
 
 
-def _survivors(worker, args, timeout=120):
+def _survivors(worker, args, timeout=120, late_args=()):
     """The last JSON line of each member that ran to its end (a member that crashed on purpose
     printed none)."""
-    return [lines[-1] for lines in harness.elastic_group(worker, args, timeout=timeout) if lines]
+    return [lines[-1] for lines in harness.elastic_group(worker, args, late=late_args, timeout=timeout) if lines]
 
 
 def test_members_train_to_identical_weights_through_a_join_and_a_crash():
@@ -223,3 +223,47 @@ def test_the_elastic_example_trains_two_members_started_by_plait_run_to_the_same
     assert finals[0]["digest"] == finals[1]["digest"], finals
     assert all(f["committed"] == 30 for f in finals), finals
     assert "step   29  members 2" in outs[0], outs[0][-500:]
+
+
+_ADAM_WORKER = r"""
+import json, sys, time, torch
+import torch.distributed as dist
+import plait.torch.elastic as pe
+
+pg = pe.init_process_group(listen="127.0.0.1:0", timeout=30)   # no crash here: the default heartbeat timeout
+print(json.dumps({"contact": pg.elastic.contact}), flush=True)
+torch.manual_seed(int(pg.elastic.member_id, 16) % 1000)        # every member starts from other weights
+model = pe.DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1)))
+opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+step, end = torch.zeros(1, dtype=torch.int64), torch.full((1,), 1 << 30, dtype=torch.int64)
+state = pe.TrainingState(model, opt, step=step, end=end)
+gen = torch.Generator().manual_seed(int(pg.elastic.member_id, 16) % 997)
+joined_at = None
+while int(step) < int(end):
+    if pg.update():
+        if dist.get_world_size() == 3 and int(end) == 1 << 30:
+            end[0] = int(step) + 20            # the members' value wins the sync below: the joiner's does not vote
+        state.sync(pg)
+    joined_at = int(step) if joined_at is None else joined_at
+    if dist.get_world_size() < 2:
+        continue                               # the first two start together
+    x = torch.randn(32, 8, generator=gen)
+    ((model(x) - x.sum(1, keepdim=True)) ** 2).mean().backward()
+    if model.should_commit():
+        opt.step()
+    opt.zero_grad()
+    step += 1
+    time.sleep(0.02)                           # the joiner arrives mid-run
+print(json.dumps({"digest": state.digest(), "joined_at": joined_at, "world": dist.get_world_size(),
+                  "adam_steps": sorted({int(v["step"]) for v in opt.state.values()})}), flush=True)
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+def test_a_joiner_gets_the_weights_and_adams_state_so_every_member_stays_bit_identical():
+    results = _survivors(_ADAM_WORKER, [[], []], late_args=[[]])
+    assert len(results) == 3 and all(r["world"] == 3 for r in results), results
+    assert sorted(r["joined_at"] for r in results)[:2] == [0, 0] and max(r["joined_at"] for r in results) > 0, results
+    assert len({r["digest"] for r in results}) == 1, "the weights or the optimizer state differ"
+    assert len({tuple(r["adam_steps"]) for r in results}) == 1, results   # the joiner's AdamW counts from the members' step

@@ -7,9 +7,11 @@ Three ways in, from the least to the most change to a torch training loop:
 
     pg = pe.init_process_group()                 # joins (PLAIT_JOIN / PLAIT_JOIN_STORE) or founds
     model = pe.DistributedDataParallel(model)    # torch's DDP, averaging over the current members
+    optimizer = torch.optim.AdamW(model.parameters())
+    state = pe.TrainingState(model, optimizer)   # weights, optimizer state (and counters: extra=)
     while True:
         if pg.update():                          # the update point: joiners come in, rank/size move
-            model.sync_parameters()              # joiners take the most senior member's weights
+            state.sync(pg)                       # bit-identical everywhere; joiners download it, striped
         loss = model(batch).loss
         loss.backward()                          # buckets averaged over the members present
         if pg.should_commit():                   # the same answer on every member
@@ -34,6 +36,14 @@ Gradients are averaged in place over the members of the current view (a member l
 retried over the new view, so "avg" divides by those that took part); the optimizer steps only
 if every member's step went well (`should_commit`), the same on every member. Parameters and
 gradients must be CPU tensors.
+
+`TrainingState(model, optimizer, **extra)` is what a joiner needs to train in step with the
+members, as shared state (`plait.elastic.SharedState`): the parameters and buffers, the
+optimizer's state (Adam's moments and step counts...) and extra tensors such as a step counter.
+`sync()` makes it bit-identical on every member; a joiner downloads it striped over the members.
+Without the optimizer's state a joiner's Adam would start from zero moments and its weights
+would drift from the members' (`sync_parameters()` shares the weights only: enough for SGD
+without momentum).
 """
 
 from __future__ import annotations
@@ -43,11 +53,14 @@ from typing import Any, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from .._core import PeerLost
+import numpy as np
+
+from .._core import InvalidArgumentError, PeerLost
+from .._shared_state import SharedState
 from ..elastic import ElasticCommunicator, join
 from .elastic_group import ElasticProcessGroup, install_as_default
 
-__all__ = ["init_process_group", "ElasticProcessGroup", "DistributedDataParallel", "GradientAverager"]
+__all__ = ["init_process_group", "ElasticProcessGroup", "DistributedDataParallel", "GradientAverager", "TrainingState"]
 
 
 def init_process_group(comm: Optional[ElasticCommunicator] = None, **join_args: Any) -> ElasticProcessGroup:
@@ -213,3 +226,94 @@ class GradientAverager:
             flat = torch.cat([p.detach().reshape(-1) for p in ps])
             _retried(lambda: self.comm.broadcast(flat.numpy(), 0))  # a failed one leaves `flat` as it was
             _unflatten(flat, ps)
+
+
+class TrainingState:
+    """The model's parameters and buffers, the optimizer's state and `extra` tensors (CPU, used in
+    place; a step counter, say) as one shared state. `sync(group)` (a collective: every member
+    calls it at the same point, after `update()` returned True) makes it bit-identical on every
+    member: the state most members hold wins, joiners download it striped over the members, every
+    chunk hash-checked (`ElasticCommunicator.sync_shared_state`).
+
+    torch optimizers create their state at their first step, so a joiner has none while the
+    members have theirs. `sync` first asks the members whether any has optimizer state; a member
+    without it then creates it (a step on zero gradients, its parameters put back, the state's
+    tensors zeroed) so that every member's state has the same layout, and receives its values.
+    Every member must build its model and optimizer alike (the same parameters, the same names)."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
+                 **extra: torch.Tensor) -> None:
+        self.model, self.optimizer, self.extra = model, optimizer, dict(extra)
+        self._state: Optional[SharedState] = None
+        self._key = None
+
+    def _arrays(self) -> Dict[str, torch.Tensor]:
+        arrays: Dict[str, torch.Tensor] = {}
+        for name, p in self.model.named_parameters():
+            arrays[f"parameter {name}"] = p.data
+        for name, b in self.model.named_buffers():
+            arrays[f"buffer {name}"] = b
+        if self.optimizer is not None:
+            names = {id(p): n for n, p in self.model.named_parameters()}
+            for i, group in enumerate(self.optimizer.param_groups):
+                for j, p in enumerate(group["params"]):
+                    label = names.get(id(p), f"group {i} index {j}")
+                    for key, value in sorted(self.optimizer.state.get(p, {}).items()):
+                        if torch.is_tensor(value):
+                            arrays[f"optimizer {label} {key}"] = value
+        for name, t in self.extra.items():
+            arrays[f"extra {name}"] = t
+        for name, t in arrays.items():
+            if t.device.type != "cpu":
+                raise InvalidArgumentError(f"TrainingState: {name!r} is on {t.device}; shared state is held in CPU memory")
+        return arrays
+
+    def _has_optimizer_state(self) -> bool:
+        return self.optimizer is not None and any(self.optimizer.state.get(p) for g in self.optimizer.param_groups
+                                                  for p in g["params"])
+
+    @torch.no_grad()
+    def _create_optimizer_state(self) -> None:
+        """A step on zero gradients creates the optimizer's state; the parameters and gradients are
+        put back and the state's tensors zeroed (their values come from the members)."""
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        saved = [(p.detach().clone(), p.grad) for p in params]
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        self.optimizer.step()
+        for p, (data, grad) in zip(params, saved):
+            p.copy_(data)
+            p.grad = grad
+            for value in self.optimizer.state.get(p, {}).values():
+                if torch.is_tensor(value):
+                    value.zero_()
+
+    def sync(self, group: Any) -> dict:
+        """Makes the state bit-identical on every member (`group`: an `ElasticProcessGroup` or an
+        `ElasticCommunicator`); returns `sync_shared_state`'s report."""
+        comm = getattr(group, "elastic", group)
+        if self.optimizer is not None:
+            mine = self._has_optimizer_state()
+            anyone = _retried(lambda: self._max_flag(comm, mine))
+            if anyone and not mine:
+                self._create_optimizer_state()
+        return comm.sync_shared_state(self.shared_state())
+
+    def shared_state(self) -> SharedState:
+        """The `SharedState` over the tensors as they are now (rebuilt when the optimizer's state
+        or a tensor's storage changed)."""
+        arrays = self._arrays()
+        key = tuple((n, t.data_ptr(), t.dtype, tuple(t.shape)) for n, t in sorted(arrays.items()))
+        if key != self._key:
+            self._state, self._key = SharedState(arrays), key
+        return self._state
+
+    def digest(self) -> str:
+        """The hash of the whole state (equal on two members exactly when bit-identical)."""
+        return self.shared_state().digest()
+
+    @staticmethod
+    def _max_flag(comm: ElasticCommunicator, flag: bool) -> bool:
+        a = np.array([1 if flag else 0], np.int64)
+        comm.allreduce(a, "max", out=a)
+        return bool(a[0])
