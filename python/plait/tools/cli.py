@@ -34,7 +34,14 @@ def _testbed_parsers(sub):
                             "deterministic inputs, each checking every result it returns, while every EVERY seconds "
                             "a random member is killed (-9), stopped (SIGSTOP, then SIGCONT) or the most senior one "
                             "killed, and joiners keep the group at MEMBERS. Reports operations committed, failed and "
-                            "wrong (must be 0), and the time from each kill or stop to the next committed operation.")
+                            "wrong (must be 0), and the time from each kill or stop to the next committed operation. "
+                            "With --workload diloco the members train a small model with plait.diloco.DiLoCo instead "
+                            "(H inner steps per round, one every --diloco-pace seconds); two more actions kill a member "
+                            "inside an outer average (kill-mid-average, kill-leader-mid-average); after --seconds the "
+                            "driver stops acting and sets an end step a few rounds ahead, where every member stops, "
+                            "and the report gives the rounds, the survivors and their distinct final outer-state "
+                            "hashes (must be 1), and errors. Example: plait testbed churn --workload diloco "
+                            "--seconds 60 --seed 3")
     churn.add_argument("--members", type=int, default=4, help="group size to keep (default 4, at least 3)")
     churn.add_argument("--seconds", type=float, default=90.0, help="how long the chaos lasts (default 90)")
     churn.add_argument("--minutes", type=float, help="the same in minutes (a soak)")
@@ -42,13 +49,27 @@ def _testbed_parsers(sub):
     churn.add_argument("--heartbeat-timeout", type=float, default=0.5,
                        help="the members' PLAIT_HEARTBEAT_TIMEOUT (default 0.5)")
     churn.add_argument("--actions", default=None,
-                       help="comma-separated, among kill, stop, kill-leader, partition (default: all but partition; "
-                       "with --netns, all)")
+                       help="comma-separated, among kill, stop, kill-leader, partition, and with --workload diloco "
+                       "kill-mid-average, kill-leader-mid-average (default: all but partition; with --netns, all)")
     churn.add_argument("--netns", action="store_true",
                        help="each member in its own network namespace of a testbed (root), so that the network between "
                        "two halves of the group can be cut (the partition action)")
     churn.add_argument("--partition-seconds", type=float, default=3.0, help="how long a partition lasts (default 3)")
     churn.add_argument("--seed", type=int, default=0)
+    churn.add_argument("--workload", choices=("allreduce", "diloco"), default="allreduce",
+                       help="what the members run: checked allreduces (default), or DiLoCo training whose survivors "
+                       "must end with bit-identical outer states (not with --netns)")
+    churn.add_argument("--diloco-mode", choices=("sync", "async", "streaming"), default="sync",
+                       help="DiLoCo's mode (default sync)")
+    churn.add_argument("--diloco-every", type=int, default=5, help="H, inner steps per round (default 5)")
+    churn.add_argument("--diloco-fragments", type=int, default=None,
+                       help="streaming mode: fragments per round (default H)")
+    churn.add_argument("--diloco-wire", default="int8", help="how averages travel: f32, bf16, f16, int8 (default int8)")
+    churn.add_argument("--diloco-pace", type=float, default=0.01,
+                       help="seconds each member sleeps after an inner step (default 0.01)")
+    churn.add_argument("--diloco-steps", type=int, default=0,
+                       help="train exactly this many inner steps (the chaos stops a few rounds before, or at "
+                       "--seconds); default: end a few rounds after --seconds")
     add_json_option(churn)
     catchup = tsub.add_parser("catchup", help="a joiner's shared-state download time from 1, 2, 4... holders (root)",
                               description="For each number of holders H: H members on their own namespaces hold the "
@@ -247,41 +268,75 @@ def _catchup(args, console):
 
 def _churn(args, console):
     from ._jsonout import to_stdout, write_json
-    from .testbed.churn import run_churn
+    from .testbed.churn import DilocoSettings, run_churn
 
     if args.members < 3:
         console.print("[red]plait testbed churn: --members must be at least 3 (a majority must survive a loss)")
         return 2
-    actions = args.actions or ("kill,stop,kill-leader,partition" if args.netns else "kill,stop,kill-leader")
-    kinds = tuple(k.strip() for k in actions.split(",") if k.strip())
-    bad = [k for k in kinds if k not in ("kill", "stop", "kill-leader", "partition")]
+    diloco = args.workload == "diloco"
+    if diloco and args.netns:
+        console.print("[red]plait testbed churn: --workload diloco does not run with --netns (no partitions): drop one")
+        return 2
+    known = ("kill", "stop", "kill-leader", "partition") + (("kill-mid-average", "kill-leader-mid-average") if diloco else ())
+    default = "kill,stop,kill-leader,kill-mid-average,kill-leader-mid-average" if diloco else \
+        ("kill,stop,kill-leader,partition" if args.netns else "kill,stop,kill-leader")
+    kinds = tuple(k.strip() for k in (args.actions or default).split(",") if k.strip())
+    bad = [k for k in kinds if k not in known]
     if bad or not kinds:
-        console.print(f"[red]plait testbed churn: unknown action(s) {bad}: use kill, stop, kill-leader, partition")
+        console.print(f"[red]plait testbed churn: unknown action(s) {bad}: use {', '.join(known)}"
+                      + ("" if diloco else " (the mid-average kills need --workload diloco)"))
         return 2
     if "partition" in kinds and not args.netns:
-        console.print("[red]plait testbed churn: a partition needs --netns (each member in its own namespace)")
+        console.print("[red]plait testbed churn: a partition needs --netns (each member in its own namespace)"
+                      + (", which --workload diloco does not support" if diloco else ""))
         return 2
+    settings = None
+    if diloco:
+        every = args.diloco_every
+        fragments = (args.diloco_fragments or every) if args.diloco_mode == "streaming" else 1
+        if every < 1 or not 1 <= fragments <= every:
+            console.print(f"[red]plait testbed churn: --diloco-every must be at least 1 and --diloco-fragments "
+                          f"between 1 and it, got {every} and {fragments}")
+            return 2
+        settings = DilocoSettings(every=every, mode=args.diloco_mode, wire=args.diloco_wire, fragments=fragments,
+                                  pace=args.diloco_pace, steps=args.diloco_steps)
     seconds = args.minutes * 60 if args.minutes else args.seconds
     _sigterm_as_exit()
     report = run_churn(members=args.members, seconds=seconds, every=args.every, hb=args.heartbeat_timeout,
                        kinds=kinds, seed=args.seed, progress=None if to_stdout(args.json) else console.print,
-                       netns=args.netns, partition_seconds=args.partition_seconds)
+                       netns=args.netns, partition_seconds=args.partition_seconds, diloco=settings)
     d = report.as_dict()
     if args.json:
         write_json(args.json, d)
     if not to_stdout(args.json):
-        console.print(f"{seconds:.0f} s, {args.members} members: {report.committed} operations committed, "
-                      f"{report.failed} failed (PeerLost), {report.wrong} wrong; {report.kills} kills, "
-                      f"{report.stops} stops, {report.partitions} partitions, {report.joins} joins, {report.epochs} epochs")
+        if diloco:
+            console.print(f"{seconds:.0f} s of chaos{' at most' if settings.steps else ''}, {args.members} members, DiLoCo {settings.mode} H={settings.every} "
+                          f"{settings.wire}: {report.rounds} rounds ({report.inner_steps} inner steps, end step "
+                          f"{report.end_step}); {report.survivors} survivors with {report.distinct_hashes} distinct final "
+                          f"outer state(s), views {report.final_worlds}; {report.kills} kills ({report.mid_average_kills} "
+                          f"inside an average), {report.stops} stops, {report.joins} joins, {report.evicted} evicted, "
+                          f"{report.epochs} epochs; {len(report.errors)} errors")
+            if report.first_loss is not None and report.probe_loss is not None:
+                console.print(f"  loss: {report.first_loss:.3f} at the first round, {report.probe_loss:.4f} at the end "
+                              "(the outer parameters, on a held-out batch)")
+        else:
+            console.print(f"{seconds:.0f} s, {args.members} members: {report.committed} operations committed, "
+                          f"{report.failed} failed (PeerLost), {report.wrong} wrong; {report.kills} kills, "
+                          f"{report.stops} stops, {report.partitions} partitions, {report.joins} joins, {report.epochs} epochs")
+        unit = "round" if diloco else "committed operation"
         for kind in sorted(report.recovery_ms):
-            console.print(f"  {kind}: to the next committed operation p50 {report.percentile(kind, 50):.0f} ms, "
+            console.print(f"  {kind}: to the next {unit} p50 {report.percentile(kind, 50):.0f} ms, "
                           f"p99 {report.percentile(kind, 99):.0f} ms ({len(report.recovery_ms[kind])} events)")
         if report.join_ms:
             console.print(f"  joins: admitted after p50 {d['join_p50_ms']:.0f} ms, p99 {d['join_p99_ms']:.0f} ms "
                           f"({len(report.join_ms)} joiners)")
-        console.print(f"  longest stall {report.longest_stall_ms:.0f} ms")
+        console.print(f"  longest stall {report.longest_stall_ms:.0f} ms" + (" (between rounds)" if diloco else ""))
         for e in report.errors[:5]:
             console.print(f"[red]  member error: {e}")
+        if diloco and report.distinct_hashes != 1:
+            console.print(f"[red]  the survivors' final outer states differ: {report.hashes}")
+    if diloco:
+        return 0 if report.distinct_hashes == 1 and not report.errors else 1
     return 0 if report.wrong == 0 and not report.errors else 1
 
 
