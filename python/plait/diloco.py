@@ -6,14 +6,16 @@ less again.
     import plait.elastic
     from plait.diloco import DiLoCo
 
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-3)   # before join(): the first optimizer is slow to build
     comm = plait.elastic.join()
-    diloco = DiLoCo(model, torch.optim.AdamW(model.parameters(), lr=1e-3), comm, every=100, wire="int8")
-    while True:
+    diloco = DiLoCo(model, inner, comm, every=100, wire="int8")
+    while diloco.inner_steps < total_steps:      # the group's count: a joiner starts mid-run
         diloco.update()                  # the update point: joiners come in and take the outer state
         loss = model(batch).loss
         loss.backward()
         diloco.step()                    # the inner step; every `every` steps, the outer step
         diloco.zero_grad()
+    diloco.finish()                      # the model's parameters are now the outer ones, on every member
 
 The outer state (the outer parameters, the momentum, the step counters and, in async mode, the
 average not yet applied) is shared state (`plait.elastic.SharedState`): a joiner receives it at
@@ -211,16 +213,18 @@ class DiLoCo:
                 self._round_async()
 
     def finish(self) -> None:
-        """Waits for what runs in the background; in async mode, applies the last average (call
-        it before using the model at the end of training)."""
+        """Call it before using the model at the end of training: waits for what runs in the
+        background, applies the last average in async mode, and makes the model's parameters the
+        outer parameters (the same on every member; inner steps taken since the last average,
+        such as a streaming fragment's since its own, are dropped)."""
         self._land_catchup()
         self._land()
         if self.mode == "async" and int(self.counters[2]):
             self._apply(self.pending, slice(None))
             self.counters[2] = 0
             self.counters[1] += 1
-            with torch.no_grad():
-                self.local.copy_(self.outer)
+        with torch.no_grad():
+            self.local.copy_(self.outer)
 
     # -- rounds ------------------------------------------------------------------------------------
 
