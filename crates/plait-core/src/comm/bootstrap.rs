@@ -313,10 +313,8 @@ fn not_published(plan: &Plan, me: &PeerInfo, missing: usize, e: PlaitError) -> P
     } else {
         format!("ranks {published:?} did, so ranks {absent:?} did not start, are using another store, group or epoch, or a smaller world size")
     };
-    PlaitError::Rendezvous(format!(
-        "rank {missing} did not publish its address within {:?}: {hint} ({e})",
-        plan.cfg.timeout
-    ))
+    // Not a timeout (that is the case above): the lookup ended early, and `e` says why.
+    PlaitError::Rendezvous(format!("rank {missing} did not publish its address: {hint} ({e})"))
 }
 
 /// Says that ranks with an unknown host identity count as other hosts. Once per process: every

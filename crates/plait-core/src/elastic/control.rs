@@ -804,8 +804,12 @@ impl Control {
                 }
             }
             Ctl::Kv { epoch, key, value } => {
-                // This epoch's records, or the next one's (a member that committed it first).
-                if epoch >= st.agree.view.epoch && epoch <= st.agree.view.epoch + 1 {
+                // A member: this epoch's records, or the next one's (a member that committed it
+                // first). A joiner: any later epoch's, since it learns the epoch that admits it
+                // only when that commit reaches it, maybe after the members' records did (they
+                // are not sent again); its commit drops those of earlier epochs.
+                let joining = !st.member && !st.witness;
+                if epoch >= st.agree.view.epoch && (epoch <= st.agree.view.epoch + 1 || joining) {
                     st.kv.insert(key, (epoch, value));
                     self.changed.notify_all();
                 }
@@ -1126,6 +1130,26 @@ fn bind(listen: &str) -> Result<TcpListener> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_joiner_keeps_the_records_of_the_epoch_that_admits_it_when_they_arrive_before_its_commit() {
+        let cfg = ControlConfig { group: "test".into(), token: None, heartbeat_timeout: Duration::from_secs(2), connect_timeout: Duration::from_secs(2) };
+        let nobody = View { epoch: 0, members: Vec::new(), done: 0, forced: false, contacts: BTreeMap::new(), witness: None };
+        let listener = bind("127.0.0.1:0").unwrap();
+        let contact = contact_for(listener.local_addr().unwrap());
+        let joiner = Control::start(cfg.clone(), fresh_id(), contact, nobody, Role::Joiner, listener).unwrap();
+        joiner.handle(Event::Message(7, Ctl::Kv { epoch: 15, key: "g/15/rank/0".into(), value: b"addr".to_vec() }));
+        assert_eq!(joiner.state.lock().kv.get("g/15/rank/0"), Some(&(15, b"addr".to_vec())));
+        joiner.close();
+        // A member keeps only its epoch's records and the next one's.
+        let member = Control::found(cfg, "127.0.0.1:0", None).unwrap();
+        member.handle(Event::Message(7, Ctl::Kv { epoch: 15, key: "g/15/rank/0".into(), value: b"addr".to_vec() }));
+        member.handle(Event::Message(7, Ctl::Kv { epoch: 1, key: "g/1/rank/0".into(), value: b"addr".to_vec() }));
+        let st = member.state.lock();
+        assert!(st.kv.get("g/15/rank/0").is_none() && st.kv.get("g/1/rank/0").is_some());
+        drop(st);
+        member.close();
+    }
 
     #[test]
     fn a_name_with_several_addresses_is_dialled_at_the_first_that_answers() {
