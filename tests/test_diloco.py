@@ -66,7 +66,8 @@ diloco.finish()
 digest = hashlib.sha256(diloco.outer.numpy().tobytes() + diloco.momentum.numpy().tobytes()).hexdigest()
 print(json.dumps({"rank": comm.rank, "outer": diloco.outer.tolist(), "local": model.w.detach().tolist(),
                   "rounds": diloco.rounds, "digest": digest, "targets": targets, "world": comm.world_size,
-                  "bytes": diloco.bytes_sent, "first": first}), flush=True)
+                  "bytes": diloco.bytes_sent, "first": first,
+                  "during": diloco.steps_during_catchup}), flush=True)
 comm.barrier()
 comm.close()
 """
@@ -153,6 +154,10 @@ def test_a_joiner_sits_out_the_round_it_joins_in_with_weight_0_and_then_trains(m
     np.testing.assert_allclose(outs[0]["outer"], _reference(mode, 2, joiner=True), rtol=1e-5, atol=1e-5)
     joiner = next(o for o in outs if o["first"] == H)
     assert joiner["bytes"] == (ROUNDS - 1) * 4 * D                      # it took part in every average after it joined
+    # The members took the round's steps up to its first average with the catch-up under way (it
+    # was not waited for at the update point); the joiner synced in the foreground.
+    first_average = H // 2 if mode == "streaming" else H
+    assert sorted(o["during"] for o in outs) == [0, first_average, first_average], outs
 
 
 def test_the_readme_example_trains_ddp_and_diloco_and_diloco_sends_far_fewer_bytes(tmp_path):

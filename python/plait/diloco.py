@@ -43,6 +43,7 @@ parameter's `.data` becomes a view of it), so an outer step is a few vector oper
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any, List, Optional
 
 import numpy as np
@@ -95,11 +96,12 @@ class DiLoCo:
         self.momentum = torch.zeros(n)
         self.pending = torch.zeros(n)  # async: the last average, applied at the end of the next round
         # inner steps taken, rounds applied, whether `pending` holds an average not yet applied,
-        # whether rounds end with a background average (async mode, after the first round)
-        self.counters = torch.zeros(4, dtype=torch.int64)
+        # whether rounds end with a background average (async mode, after the first round), the
+        # members' mean round time in ms at the last average (a joiner's wait for a round's end)
+        self.counters = torch.zeros(5, dtype=torch.int64)
         # The counters as they were at the update point: what is shared, since `counters` moves on
         # during a catch-up in the background.
-        self.counters_shared = torch.zeros(4, dtype=torch.int64)
+        self.counters_shared = torch.zeros(5, dtype=torch.int64)
         self.residual = torch.zeros(n) if self.error_feedback else None
         self.state = SharedState({"outer": self.outer, "momentum": self.momentum, "pending": self.pending,
                                   "counters": self.counters_shared})
@@ -114,7 +116,8 @@ class DiLoCo:
         self._catchup_error: Optional[BaseException] = None
         self._catchup_steps = 0  # `counters[0]` when the catch-up under way started
         self._sit_out = False  # a joiner's first round: it takes part in its averages with weight 0
-        self.catchup_reports: List[dict] = []  # what each background catch-up did (`sync_shared_state`'s report)
+        self._round_began = time.perf_counter()
+        self.last_catchup: Optional[dict] = None  # what the last background catch-up did (`sync_shared_state`'s report)
         self.steps_during_catchup = 0  # inner steps this member took while it sent joiners the outer state
 
     # -- the loop's calls --------------------------------------------------------------------------
@@ -189,10 +192,12 @@ class DiLoCo:
         if self._sit_out:
             self._sit_out = False
             end = (int(self.counters[0]) // self.every + 1) * self.every
-            for sl in self.fragment_slices:  # one slice, the whole vector, outside streaming mode
-                self._round_sync(sl, weight=0)
+            # It waits for the members' round to end: up to a round's time (theirs, measured at
+            # their last average), beyond the communicator's own timeout.
+            wait = self._timeout() + 2 * int(self.counters[4]) / 1000
+            applied = [self._round_sync(sl, weight=0, timeout=wait) for sl in self.fragment_slices]
             self.counters[0] = end
-            self.counters[1] += 1
+            self.counters[1] += int(applied[-1])
             return
         self._fresh = False  # it has trained: its parameters are its own from now on
         self.inner.step()
@@ -202,13 +207,12 @@ class DiLoCo:
             offset = t % self.every or self.every
             for f, sl in enumerate(self.fragment_slices):
                 if offset == (f + 1) * self.every // self.fragments:
-                    self._round_sync(sl)
+                    applied = self._round_sync(sl)
                     if f == self.fragments - 1:
-                        self.counters[1] += 1
+                        self.counters[1] += int(applied)
         elif t % self.every == 0:
             if self.mode == "sync":
-                self._round_sync(slice(None))
-                self.counters[1] += 1
+                self.counters[1] += int(self._round_sync(slice(None)))
             else:
                 self._round_async()
 
@@ -240,28 +244,40 @@ class DiLoCo:
             self.residual[sl] = delta - sent
         return delta
 
-    def _average(self, buf: torch.Tensor, weight: int = 1) -> float:
+    def _timeout(self) -> float:
+        return float(getattr(getattr(self.comm, "_comm", None), "timeout", 300.0))
+
+    def _average(self, buf: torch.Tensor, weight: int = 1, timeout: Optional[float] = None) -> float:
         """Averages `buf` in place over the members, each counted with its `weight` (a joiner
-        sitting out its first round: 0); returns the weights' sum (0: nobody trained)."""
+        sitting out its first round: 0, its `buf` zeros); returns the weights' sum (0: nobody
+        trained)."""
+        if weight == 0:
+            buf.zero_()
         a = buf.numpy()
         kw = {} if self.wire == "native" else {"wire": self.wire}
+        if timeout is not None:
+            kw["timeout"] = timeout
         self.bytes_sent += _core.wire_bytes(self.wire, a.size)
+        round_seconds = time.perf_counter() - self._round_began
         if not hasattr(self.comm, "allreduce_with_retry"):  # a static group: every member trained
             self.comm.allreduce(a, "avg", out=a, **kw)
+            self._round_began = time.perf_counter()
             return float(self.comm.world_size)
         # The weights' sum and the sum of the deltas must come from the same members: a member
         # lost during either fails both on every member alike, and both are run again (a failed
-        # call leaves its buffer as it was).
+        # call leaves its buffer as it was). The first also sums the members' round times.
         while True:
-            total = np.array([float(weight)])
+            total = np.array([float(weight), weight * round_seconds])
             try:
-                self.comm.allreduce(total, "sum", out=total)
+                self.comm.allreduce(total, "sum", out=total, **({"timeout": timeout} if timeout else {}))
                 self.comm.allreduce(a, "sum", out=a, **kw)
                 break
             except PeerLost:
                 continue
+        self._round_began = time.perf_counter()
         if total[0] > 0:
             buf.div_(float(total[0]))
+            self.counters[4] = int(1000 * total[1] / total[0])  # from the sums: the same on every member
         return float(total[0])
 
     def _apply(self, g: torch.Tensor, sl: slice) -> None:
@@ -272,13 +288,17 @@ class DiLoCo:
         step = g.add(m, alpha=self.mu) if self.nesterov else m
         o.add_(step, alpha=-self.lr)
 
-    def _round_sync(self, sl: slice, weight: int = 1) -> None:
+    def _round_sync(self, sl: slice, weight: int = 1, timeout: Optional[float] = None) -> bool:
+        """Averages the delta of `sl` and takes the outer step on it; False if no member had
+        trained (no step)."""
         self._land_catchup()
         delta = self._delta(sl)
-        if self._average(delta, weight) > 0:
+        applied = self._average(delta, weight, timeout) > 0
+        if applied:
             self._apply(delta, sl)
         with torch.no_grad():
             self.local[sl] = self.outer[sl]
+        return applied
 
     def _round_async(self) -> None:
         """End of a round in async mode: this round's delta (against the outer parameters that do
@@ -340,7 +360,7 @@ class DiLoCo:
 
     def _serve_catchup(self) -> None:
         try:
-            self.catchup_reports.append(self.comm.sync_shared_state(self.state))
+            self.last_catchup = self.comm.sync_shared_state(self.state)
         except BaseException as e:  # raised on the loop's thread where the catch-up is waited for
             self._catchup_error = e
 

@@ -233,7 +233,14 @@ import plait.torch.elastic as pe
 pg = pe.init_process_group(listen="127.0.0.1:0", timeout=30)   # no crash here: the default heartbeat timeout
 print(json.dumps({"contact": pg.elastic.contact}), flush=True)
 torch.manual_seed(int(pg.elastic.member_id, 16) % 1000)        # every member starts from other weights
-model = pe.DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1)))
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+        self.unused = torch.nn.Linear(4, 4)    # no gradient, so AdamW keeps no state for it on any member
+    def forward(self, x):
+        return self.body(x)
+model = pe.DistributedDataParallel(Net())
 opt = torch.optim.AdamW(model.parameters(), lr=0.01)
 step, end = torch.zeros(1, dtype=torch.int64), torch.full((1,), 1 << 30, dtype=torch.int64)
 state = pe.TrainingState(model, opt, step=step, end=end)
@@ -253,8 +260,10 @@ while int(step) < int(end):
         opt.step()
     opt.zero_grad()
     step += 1
+    if int(step) == 5:
+        opt.param_groups[0]["lr"] = 0.005      # as a scheduler would: a joiner must get it too
     time.sleep(0.02)                           # the joiner arrives mid-run
-print(json.dumps({"digest": state.digest(), "joined_at": joined_at, "world": dist.get_world_size(),
+print(json.dumps({"digest": state.digest(), "joined_at": joined_at, "world": dist.get_world_size(), "lr": opt.param_groups[0]["lr"],
                   "adam_steps": sorted({int(v["step"]) for v in opt.state.values()})}), flush=True)
 dist.barrier()
 dist.destroy_process_group()
@@ -267,3 +276,4 @@ def test_a_joiner_gets_the_weights_and_adams_state_so_every_member_stays_bit_ide
     assert sorted(r["joined_at"] for r in results)[:2] == [0, 0] and max(r["joined_at"] for r in results) > 0, results
     assert len({r["digest"] for r in results}) == 1, "the weights or the optimizer state differ"
     assert len({tuple(r["adam_steps"]) for r in results}) == 1, results   # the joiner's AdamW counts from the members' step
+    assert all(r["lr"] == 0.005 for r in results), results

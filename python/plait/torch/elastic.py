@@ -48,7 +48,7 @@ without momentum).
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -229,23 +229,48 @@ class GradientAverager:
 
 
 class TrainingState:
-    """The model's parameters and buffers, the optimizer's state and `extra` tensors (CPU, used in
-    place; a step counter, say) as one shared state. `sync(group)` (a collective: every member
-    calls it at the same point, after `update()` returned True) makes it bit-identical on every
-    member: the state most members hold wins, joiners download it striped over the members, every
-    chunk hash-checked (`ElasticCommunicator.sync_shared_state`).
+    """The model's parameters and buffers, the optimizer's state and hyperparameters, and `extra`
+    tensors (CPU, used in place; a step counter, say, from which an LR scheduler's `last_epoch`
+    can be set on a joiner) as one shared state.
+    `sync(group)` (a collective: every member calls it at the same point, after `update()`
+    returned True) makes it bit-identical on every member: the state most members hold wins,
+    joiners download it striped over the members, every chunk hash-checked
+    (`ElasticCommunicator.sync_shared_state`).
 
-    torch optimizers create their state at their first step, so a joiner has none while the
-    members have theirs. `sync` first asks the members whether any has optimizer state; a member
-    without it then creates it (a step on zero gradients, its parameters put back, the state's
-    tensors zeroed) so that every member's state has the same layout, and receives its values.
-    Every member must build its model and optimizer alike (the same parameters, the same names)."""
+    torch optimizers create a parameter's state at the first step that parameter has a gradient,
+    so a joiner has none while the members have theirs. `sync` first finds out (one allreduce of
+    a flag per parameter) which parameters some member has state for; a member that lacks it
+    creates it (a step on zero gradients for those parameters only; its parameters and gradients
+    are put back) so that every member's state has the same layout, and then receives the values.
+    The numeric hyperparameters of each parameter group (`lr` as a scheduler sets it, betas,
+    weight decay...) are shared too. Optimizer state that is not a tensor is refused. Every member
+    must build its model and optimizer alike (the same parameters, the same names)."""
 
     def __init__(self, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
                  **extra: torch.Tensor) -> None:
         self.model, self.optimizer, self.extra = model, optimizer, dict(extra)
         self._state: Optional[SharedState] = None
         self._key = None
+        self._hyper = torch.zeros(0, dtype=torch.float64)
+
+    def _optimizer_params(self) -> List[Tuple[str, torch.Tensor]]:
+        """Every parameter the optimizer holds, with a name: the model's name for it, else its
+        place in the optimizer."""
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        return [(names.get(id(p), f"group {i} index {j}"), p) for i, group in enumerate(self.optimizer.param_groups)
+                for j, p in enumerate(group["params"])]
+
+    def _hyperparameters(self) -> List[Tuple[int, str, int]]:
+        """(group, key, position) of every number in the parameter groups' settings (a tuple such
+        as betas gives one per item); booleans are left out."""
+        out = []
+        for i, group in enumerate(self.optimizer.param_groups):
+            for key in sorted(k for k in group if k != "params"):
+                v = group[key]
+                items = v if isinstance(v, (tuple, list)) else (v,)
+                if all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in items) and items:
+                    out.extend((i, key, k) for k in range(len(items)))
+        return out
 
     def _arrays(self) -> Dict[str, torch.Tensor]:
         arrays: Dict[str, torch.Tensor] = {}
@@ -254,13 +279,16 @@ class TrainingState:
         for name, b in self.model.named_buffers():
             arrays[f"buffer {name}"] = b
         if self.optimizer is not None:
-            names = {id(p): n for n, p in self.model.named_parameters()}
-            for i, group in enumerate(self.optimizer.param_groups):
-                for j, p in enumerate(group["params"]):
-                    label = names.get(id(p), f"group {i} index {j}")
-                    for key, value in sorted(self.optimizer.state.get(p, {}).items()):
-                        if torch.is_tensor(value):
-                            arrays[f"optimizer {label} {key}"] = value
+            in_model = {id(p) for p in self.model.parameters()}
+            for label, p in self._optimizer_params():
+                if id(p) not in in_model:
+                    arrays[f"parameter {label}"] = p.data
+                for key, value in sorted(self.optimizer.state.get(p, {}).items()):
+                    if not torch.is_tensor(value):
+                        raise InvalidArgumentError(f"TrainingState: the optimizer's state {key!r} of {label} is a "
+                                                   f"{type(value).__name__}, not a tensor: it cannot be shared")
+                    arrays[f"optimizer {label} {key}"] = value
+            arrays["optimizer hyperparameters"] = self._hyper
         for name, t in self.extra.items():
             arrays[f"extra {name}"] = t
         for name, t in arrays.items():
@@ -268,44 +296,67 @@ class TrainingState:
                 raise InvalidArgumentError(f"TrainingState: {name!r} is on {t.device}; shared state is held in CPU memory")
         return arrays
 
-    def _has_optimizer_state(self) -> bool:
-        return self.optimizer is not None and any(self.optimizer.state.get(p) for g in self.optimizer.param_groups
-                                                  for p in g["params"])
-
     @torch.no_grad()
-    def _create_optimizer_state(self) -> None:
-        """A step on zero gradients creates the optimizer's state; the parameters and gradients are
-        put back and the state's tensors zeroed (their values come from the members)."""
-        params = [p for g in self.optimizer.param_groups for p in g["params"]]
-        saved = [(p.detach().clone(), p.grad) for p in params]
-        for p in params:
-            p.grad = torch.zeros_like(p)
+    def _create_optimizer_state(self, params: List[torch.Tensor]) -> None:
+        """A step on zero gradients for `params` (the others without gradients) creates their
+        state; the parameters and gradients are put back. The state's values are the members'
+        once synced (a step's worth of state is left rather than zeros, which some optimizers
+        would never move from)."""
+        every = [p for _, p in self._optimizer_params()]
+        saved = [(p.detach().clone(), p.grad) for p in every]
+        wanted = {id(p) for p in params}
+        for p in every:
+            p.grad = torch.zeros_like(p) if id(p) in wanted else None
         self.optimizer.step()
-        for p, (data, grad) in zip(params, saved):
+        for p, (data, grad) in zip(every, saved):
             p.copy_(data)
             p.grad = grad
-            for value in self.optimizer.state.get(p, {}).values():
-                if torch.is_tensor(value):
-                    value.zero_()
 
     def sync(self, group: Any) -> dict:
         """Makes the state bit-identical on every member (`group`: an `ElasticProcessGroup` or an
         `ElasticCommunicator`); returns `sync_shared_state`'s report."""
         comm = getattr(group, "elastic", group)
         if self.optimizer is not None:
-            mine = self._has_optimizer_state()
-            anyone = _retried(lambda: self._max_flag(comm, mine))
-            if anyone and not mine:
-                self._create_optimizer_state()
-        return comm.sync_shared_state(self.shared_state())
+            params = [p for _, p in self._optimizer_params()]
+            mine = np.array([1 if self.optimizer.state.get(p) else 0 for p in params], np.int64)
+            anyone = _retried(lambda: self._max_flags(comm, mine))
+            missing = [p for p, m, a in zip(params, mine, anyone) if a and not m]
+            if missing:
+                self._create_optimizer_state(missing)
+            hyper = self._hyperparameters()
+            values = [self.optimizer.param_groups[i][k] for i, k, _ in hyper]
+            now = torch.tensor([float(v[j] if isinstance(v, (tuple, list)) else v) for v, (_, _, j) in zip(values, hyper)],
+                               dtype=torch.float64)
+            if now.shape == self._hyper.shape:
+                self._hyper.copy_(now)  # the same storage: the shared state is not rebuilt
+            else:
+                self._hyper = now
+        report = comm.sync_shared_state(self.shared_state())
+        if self.optimizer is not None:
+            self._set_hyperparameters(hyper)
+        return report
+
+    def _set_hyperparameters(self, hyper: List[Tuple[int, str, int]]) -> None:
+        got = self._hyper.tolist()
+        for (i, key, j), v in zip(hyper, got):
+            group = self.optimizer.param_groups[i]
+            old = group[key]
+            if isinstance(old, (tuple, list)):
+                items = list(old)
+                items[j] = type(old[j])(v)
+                group[key] = type(old)(items)
+            else:
+                group[key] = type(old)(v)
 
     def shared_state(self) -> SharedState:
         """The `SharedState` over the tensors as they are now (rebuilt when the optimizer's state
-        or a tensor's storage changed)."""
+        or a tensor's storage changed; a member that voted goes on voting)."""
         arrays = self._arrays()
         key = tuple((n, t.data_ptr(), t.dtype, tuple(t.shape)) for n, t in sorted(arrays.items()))
         if key != self._key:
+            synced = self._state is not None and self._state.synced
             self._state, self._key = SharedState(arrays), key
+            self._state.synced = synced
         return self._state
 
     def digest(self) -> str:
@@ -313,7 +364,7 @@ class TrainingState:
         return self.shared_state().digest()
 
     @staticmethod
-    def _max_flag(comm: ElasticCommunicator, flag: bool) -> bool:
-        a = np.array([1 if flag else 0], np.int64)
+    def _max_flags(comm: ElasticCommunicator, flags: np.ndarray) -> np.ndarray:
+        a = flags.copy()
         comm.allreduce(a, "max", out=a)
-        return bool(a[0])
+        return a
