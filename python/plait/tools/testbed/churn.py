@@ -270,7 +270,7 @@ def _diloco_member(log_path: str, cfg: dict, hb: float, listen: str, peers: List
 
 def _arm_kill_mid_average(comm, die_file: Path, emit) -> None:
     """The `kill-mid-average` actions: once `die_file` exists (the driver's request), this member
-    dies in its next average (DiLoCo's `allreduce_with_retry`, or an "avg" allreduce). Half the
+    dies in its next average (DiLoCo's `allreduce_with_retry`, or a float "avg" or "sum" allreduce). Half the
     time as it arrives there, before contributing (the others, in step, are in the average or
     about to be); else a timer (SIGALRM, whose default action ends the process in the kernel, as
     -9 does, wherever its threads are) fires after a random part of the averages' measured
@@ -312,7 +312,10 @@ def _arm_kill_mid_average(comm, die_file: Path, emit) -> None:
     real_retry, real_allreduce = comm.allreduce_with_retry, comm.allreduce
     comm.allreduce_with_retry = hooked(real_retry)
     hook_avg = hooked(real_allreduce)
-    comm.allreduce = lambda x, op="sum", **kw: hook_avg(x, op, **kw) if op == "avg" else real_allreduce(x, op, **kw)
+    # DiLoCo's average in elastic mode is two float sums (the weights, then the deltas): either
+    # is "inside an average". The update point's allreduce is an integer one.
+    comm.allreduce = lambda x, op="sum", **kw: (hook_avg(x, op, **kw) if op in ("avg", "sum") and x.dtype.kind == "f"
+                                               else real_allreduce(x, op, **kw))
 
 
 class _Zygote:
