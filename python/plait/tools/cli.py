@@ -79,6 +79,17 @@ def _testbed_parsers(sub):
     catchup.add_argument("--gib", type=float, default=1.0, help="state size in GiB (default 1)")
     catchup.add_argument("--link-rate", default="500mbit", help="every cable's tc rate (default 500mbit)")
     add_json_option(catchup)
+    wc = tsub.add_parser("wan-check", help="measure the WAN cables of a testbed that is up: ping and TCP vs the spec",
+                         description="For every WAN cable (--wan) of testbed NAME: the median round trip of ICMP "
+                         "echoes, and a plain TCP stream each way (autotuned buffers, the first --warmup seconds left "
+                         "out), next to the configured round trip and the TCP goodput the configured rate allows.")
+    wc.add_argument("--name", default="plaitbed")
+    wc.add_argument("--seconds", type=float, default=5.0, help="length of each TCP stream (default 5)")
+    wc.add_argument("--warmup", type=float, default=2.0, help="seconds of each stream not counted (default 2)")
+    wc.add_argument("--pings", type=int, default=20, help="ICMP echoes per cable (default 20)")
+    wc.add_argument("--congestion", metavar="CC",
+                    help="the streams' TCP congestion control, e.g. cubic (default: the nodes' default)")
+    add_json_option(wc)
     status = tsub.add_parser("status", help="list the testbeds that are up and their addresses")
     add_json_option(status, help="write the testbeds as JSON to PATH; `--json -` (or --json alone) to stdout "
                     "instead of the table")
@@ -93,6 +104,13 @@ def _common_build(p):
     p.add_argument("--mtu-end", action="append", default=[], metavar="I:J=MTU",
                    help="MTU of node I's end of the cable to node J only (repeatable), e.g. 0:1=9000 for a mismatch")
     p.add_argument("--links", metavar="I-J,...", help="cable only these pairs (default: every pair, a full mesh)")
+    p.add_argument("--wan", metavar="SPEC",
+                   help="give some cables a one-way delay, a rate and a loss rate per direction (a userspace delay "
+                   "line: TUN ends and a forwarder per cable), e.g. \"0-1 40ms 200mbit, 1-2 5ms 1gbit, 0-2 80ms "
+                   "50mbit loss=0.1%%\"; A/B values differ per direction (I->J/J->I), queue=2mb or 20ms sets the "
+                   "router buffer (default one bandwidth-delay product); a cable without a rate gets --link-rate. "
+                   "SPEC may also be a file (the same text, or JSON {\"0-1\": {\"delay\": \"40ms\", \"rate\": "
+                   "\"200mbit\"}})")
 
 
 def _build_kwargs(args):
@@ -113,7 +131,7 @@ def _build_kwargs(args):
         except ValueError:
             raise TestbedError(f"--links {args.links!r}: use pairs like 0-1,1-2") from None
     return dict(link_rate=args.link_rate, lan_rate=args.lan_rate, name=args.name, mtu=args.mtu, mtu_ends=ends,
-                links=links)
+                links=links, wan=args.wan)
 
 
 def _serve_until_stopped():
@@ -171,6 +189,8 @@ def _testbed(args, parser):
             removed = T.down(args.name, force=args.force)
             console.print(f"removed {', '.join(removed)}" if removed else f"no testbed named {args.name!r} was up")
             return 0
+        if args.tb_command == "wan-check":
+            return _wan_check(args, console)
         if args.tb_command == "status":
             beds = T.list_testbeds()
             if args.json:
@@ -230,9 +250,46 @@ def _print_status(beds, console):
             t.add_column(c)
         for node in d["node_list"]:
             cables = ", ".join(f"{c['iface']} {c['addr']} -> {c['peer']}" + (f" (mtu {c['mtu']})" if c["mtu"] != 1500
-                                                                                  else "") for c in node["cables"])
+                                                                                  else "")
+                               + (f" [WAN {c['wan']['text']}]" if c.get("wan") else "") for c in node["cables"])
             t.add_row(str(node["node"]), node["namespace"], node["lan"], cables)
         console.print(t)
+
+
+def _wan_check(args, console):
+    from . import testbed as T
+    from ._jsonout import to_stdout, write_json
+    from ._ui import Console, Table
+    from .testbed import wan
+
+    tb = T.Testbed.attach(args.name)
+    if not tb.wan:
+        console.print(f"[red]plait testbed wan-check: testbed {args.name!r} has no WAN cables (build it with --wan)")
+        return 2
+    results = []
+    for i, j in sorted(tb.wan):
+        console.print(f"measuring cable {i}-{j} ...")
+        results.append(wan.check_cable(tb, i, j, pings=args.pings, seconds=args.seconds, warmup=args.warmup,
+                                       congestion=args.congestion))
+    if args.json:
+        write_json(args.json, results)
+    if to_stdout(args.json):
+        return 0
+    t = Table(title=f"WAN cables of testbed {args.name}: configured vs measured (Mbit/s: TCP payload; "
+              "max: the rate less 52 B of headers per 1500 B packet)", title_justify="left")
+    for c in ("cable", "RTT set", "RTT p50 (min)", "lost", "dir", "rate", "TCP max", "TCP", "ratio"):
+        t.add_column(c)
+    for r in results:
+        for k, d in enumerate(r["directions"]):
+            exp = d["goodput_bps_expected"]
+            first = k == 0
+            rtt = f"{r['rtt_ms_median']:.2f} ({r['rtt_ms_min']:.2f})" if r["rtt_ms_median"] is not None else "-"
+            t.add_row(r["link"] if first else "", f"{r['rtt_ms_configured']:.2f}" if first else "",
+                      rtt if first else "", str(r["pings_lost"]) if first else "", f"{d['from']}->{d['to']}",
+                      T.format_rate(d["rate_bps"]), f"{exp / 1e6:.1f}" if exp else "-", f"{d['tcp_bps'] / 1e6:.1f}",
+                      f"{d['tcp_bps'] / exp:.3f}" if exp else "-")
+    Console(highlight=False).print(t)
+    return 0
 
 
 def _catchup(args, console):

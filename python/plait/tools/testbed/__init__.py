@@ -5,6 +5,12 @@
 - a "cable" for every pair of nodes i < j: a veth pair in its own /24, `10.<i+1>.<j+1>.0/24`, where
   node i is `10.<i+1>.<j+1>.<i+1>` and node j is `10.<i+1>.<j+1>.<j+1>`. Inside node i the cable to
   node j is the interface `mesh<j>`. Both ends are rate-limited with `tc ... tbf` at `link_rate`.
+- WAN cables (`wan=`, see plait.tools.testbed.wan): the cables named there instead get a one-way
+  delay, a rate and optionally a loss rate per direction. Each is a TUN device at each end, with the
+  same name and addresses as a veth cable, and a forwarder process (`_wan_forwarder.py`, one per
+  cable, living in node i's namespace) that holds every packet for the delay and paces it to the
+  rate. The nodes of such a testbed get TCP buffer limits (tcp_rmem/tcp_wmem max) that fit the
+  largest bandwidth-delay product.
 - a shared, slower "office LAN": a bridge in its own namespace `<name>-lan`, one port per node,
   `10.99.0.0/24` (node i is `10.99.0.<i+1>`, interface `lan0`), rate-limited at `lan_rate` in both
   directions of every port (a switch with `lan_rate` ports).
@@ -13,12 +19,15 @@
   what gloo and other hostname-based tools will pick.
 
 Nothing is created in the root namespace except the namespaces themselves and their
-`/etc/netns/<ns>/hosts` files. What was created is recorded in `/run/plait-testbed/<name>.json`
+`/etc/netns/<ns>/hosts` files (and a WAN testbed's forwarder logs next to its state file). What
+was created (namespaces, files, forwarder processes) is recorded in `/run/plait-testbed/<name>.json`
 *before* it is created, so `down()` (or `plait testbed down`) removes exactly that, even after a
 crash half-way through `up()`. Needs root.
 
     with Testbed(3, link_rate="1gbit", lan_rate="100mbit") as tb:
         res = tb.run([sys.executable, "-c", "import os; print(os.environ['RANK'])"], timeout=30)
+
+    with Testbed(3, wan="0-1 40ms 200mbit, 1-2 5ms 1gbit, 0-2 80ms 50mbit") as tb: ...
 """
 
 import atexit
@@ -40,6 +49,7 @@ LAN_PREFIX = "10.99.0"
 NODE_PREFIX = "10.200.0"  # /32 "node" addresses, used only by the gloo workaround in the benchmark
 MAX_NODES = 16
 _CMD_TIMEOUT = 20.0  # seconds for one `ip`/`tc` command
+VETH_SPEED_MBPS = 10000  # what a veth end reports as its speed; a WAN cable's TUN ends report the same
 
 
 class TestbedError(RuntimeError):
@@ -192,13 +202,15 @@ class Testbed:
     cable to node j only (to build an MTU mismatch). links: the pairs that get a cable (default
     every pair: a full mesh). node_addrs: also give each node a /32 address 10.200.0.<i+1> on its
     loopback, with host routes to every other node's over the cables (the manual workaround other
-    libraries need; see resolve_hostnames and plait.tools.testbed.bench).
+    libraries need; see resolve_hostnames and plait.tools.testbed.bench). wan: cables with a delay,
+    rate and loss per direction, e.g. "0-1 40ms 200mbit, 1-2 5ms 1gbit" (the syntax, a file form and
+    the defaults are in plait.tools.testbed.wan); the other cables stay veth pairs at link_rate.
     """
 
     __test__ = False
 
     def __init__(self, nodes, *, link_rate="1gbit", lan_rate="100mbit", name="plaitbed", mtu=None,
-                 mtu_ends=None, links=None, node_addrs=False):
+                 mtu_ends=None, links=None, node_addrs=False, wan=None):
         self.name = _check_name(name)
         self.n = int(nodes)
         if not 2 <= self.n <= MAX_NODES:
@@ -219,6 +231,17 @@ class Testbed:
             if not 68 <= m <= 65535:
                 raise TestbedError(f"mtu {m} is out of range (68..65535)")
         self.node_addrs = bool(node_addrs)
+        try:
+            cables = _wan.parse_wan(wan)
+        except _wan.WanSpecError as e:
+            raise TestbedError(str(e)) from None
+        for a, b in cables:
+            if not (0 <= a < self.n and 0 <= b < self.n):
+                raise TestbedError(f"WAN cable {a}-{b}: nodes are 0..{self.n - 1}")
+            if (a, b) not in self.links:
+                raise TestbedError(f"WAN cable {a}-{b}: there is no cable between nodes {a} and {b} (see --links)")
+        self.wan = _wan.resolve(cables, self.link_bps)
+        self._procs = []
         self._state = None
         self._atexit = False
         self._lock = threading.Lock()
@@ -249,18 +272,30 @@ class Testbed:
     def full_mesh(self):
         return len(self.links) == self.n * (self.n - 1) // 2
 
+    def wan_directions(self, i, j):
+        """(Direction i->j, Direction j->i) of the WAN cable i-j, or None for a veth cable."""
+        d = self.wan.get((min(i, j), max(i, j)))
+        if d is None:
+            return None
+        return d if i < j else (d[1], d[0])
+
     def describe(self):
         """A JSON-able description: nodes, their interfaces and addresses."""
         nodes = []
         for i in range(self.n):
-            cables = [{"peer": j, "iface": cable_iface(i, j), "addr": cable_addr(i, j), "subnet": cable_subnet(i, j),
-                       "peer_addr": cable_addr(j, i),
-                       "mtu": self.mtu_ends.get((i, j), self.mtu or 1500)} for j in self.peers(i)]
+            cables = []
+            for j in self.peers(i):
+                c = {"peer": j, "iface": cable_iface(i, j), "addr": cable_addr(i, j), "subnet": cable_subnet(i, j),
+                     "peer_addr": cable_addr(j, i), "mtu": self.mtu_ends.get((i, j), self.mtu or 1500)}
+                w = self.wan_directions(i, j)
+                if w:
+                    c["wan"] = dict(w[0].to_json(), text=_wan.describe_direction(w[0]))
+                cables.append(c)
             nodes.append({"node": i, "namespace": self.ns(i), "hostname": self.hostname(i), "lan": lan_addr(i),
                           "node_addr": node_addr(i) if self.node_addrs else None, "cables": cables})
         return {"name": self.name, "nodes": self.n, "link_rate_bps": self.link_bps, "lan_rate_bps": self.lan_bps,
                 "links": [list(x) for x in self.links], "master_addr": self.master_addr, "lan_subnet": LAN_SUBNET,
-                "node_list": nodes}
+                "wan": _wan.to_json(self.wan), "node_list": nodes}
 
     # -- build and remove --------------------------------------------------------------------------
     def up(self):
@@ -278,7 +313,7 @@ class Testbed:
                                f"them; remove them with `plait testbed down --name {self.name} --force`")
         STATE_DIR.mkdir(parents=True, exist_ok=True)
         self._state = dict(self.describe(), pid=os.getpid(), created=time.time(), namespaces=[], files=[], dirs=[],
-                           mtu=self.mtu, mtu_ends=[[i, j, m] for (i, j), m in self.mtu_ends.items()],
+                           forwarders=[], mtu=self.mtu, mtu_ends=[[i, j, m] for (i, j), m in self.mtu_ends.items()],
                            node_addrs=self.node_addrs)
         self._save()
         if not self._atexit:
@@ -313,14 +348,20 @@ class Testbed:
         # Cables first, so that they are listed before the LAN inside each node.
         for i, j in self.links:
             a, b = cable_iface(i, j), cable_iface(j, i)
-            _run(["ip", "-n", self.ns(i), "link", "add", a, "type", "veth", "peer", "name", b, "netns", self.ns(j)])
+            wan = (i, j) in self.wan
+            if wan:  # a TUN device at each end; the forwarder started below joins them
+                for node, dev in ((i, a), (j, b)):
+                    _run(["ip", "-n", self.ns(node), "tuntap", "add", "dev", dev, "mode", "tun", "vnet_hdr"])
+            else:
+                _run(["ip", "-n", self.ns(i), "link", "add", a, "type", "veth", "peer", "name", b, "netns",
+                      self.ns(j)])
             for node, other, dev in ((i, j, a), (j, i, b)):
                 ns = self.ns(node)
                 mtu = self.mtu_ends.get((node, other), self.mtu)
                 if mtu:
                     _run(["ip", "-n", ns, "link", "set", dev, "mtu", str(mtu)])
                 _run(["ip", "-n", ns, "addr", "add", f"{cable_addr(node, other)}/24", "dev", dev])
-                if self.link_bps:
+                if self.link_bps and not wan:
                     _run(["tc", "-n", ns, "qdisc", "add", "dev", dev, "root"] + _tbf(self.link_bps))
                 _run(["ip", "-n", ns, "link", "set", dev, "up"])
         lan = self.lan_ns
@@ -355,7 +396,41 @@ class Testbed:
             self._save()
             d.mkdir(exist_ok=True)
         self.resolve_hostnames("lan")
+        if self.wan:
+            self._tcp_buffers()
+            for i, j in sorted(self.wan):
+                self._start_forwarder(i, j)
+            self._wait_forwarders()
         self._wait_links()
+
+    def _tcp_buffers(self):
+        """Every node's TCP autotuning may grow a socket's buffers to 4x the largest bandwidth-delay
+        product (+ queue) of the WAN cables: a stream fills a long fat cable without setting
+        SO_SNDBUF/SO_RCVBUF. (tcp_rmem/tcp_wmem are per namespace; the root namespace is untouched.)"""
+        for which in ("tcp_rmem", "tcp_wmem"):
+            try:
+                lo, default, hi = (int(x) for x in Path(f"/proc/sys/net/ipv4/{which}").read_text().split())
+            except (OSError, ValueError):
+                lo, default, hi = 4096, 131072, 0
+            value = f"{lo} {default} {_wan.tcp_buffer_max(self.wan, hi)}"
+            for i in range(self.n):
+                _run(["ip", "netns", "exec", self.ns(i), "sh", "-c", f'echo "$0" > /proc/sys/net/ipv4/{which}', value])
+
+    def _start_forwarder(self, i, j):
+        ij, ji = self.wan[(i, j)]
+        log = STATE_DIR / f"{self.name}-wan-{i}-{j}.log"
+        self._state["files"].append(str(log))
+        self._save()
+        cfg = {"testbed": self.name, "a": {"ns": self.ns(i), "dev": cable_iface(i, j)},
+               "b": {"ns": self.ns(j), "dev": cable_iface(j, i)}, "ab": ij.to_json(), "ba": ji.to_json(),
+               "seed": random.randrange(1 << 30), "speed_mbps": VETH_SPEED_MBPS}
+        with open(log, "wb") as f:
+            p = subprocess.Popen([sys.executable, str(_wan.FORWARDER), json.dumps(cfg)], stdin=subprocess.DEVNULL,
+                                 stdout=f, stderr=subprocess.STDOUT, start_new_session=True, close_fds=True)
+        self._procs.append(p)
+        self._state["forwarders"].append({"pid": p.pid, "start": _proc_start(p.pid), "link": [i, j],
+                                          "log": str(log)})
+        self._save()
 
     def resolve_hostnames(self, to="lan"):
         """What each node's hostname resolves to, for commands started from now on: "lan" (its
@@ -369,14 +444,34 @@ class Testbed:
         for i in range(self.n):
             (NETNS_ETC / self.ns(i) / "hosts").write_text(hosts)
 
+    def _wait_forwarders(self, timeout=10.0):
+        """Until every forwarder says it is ready (both ends attached, offloads and speed set)."""
+        deadline = time.monotonic() + timeout
+        for fw in self._state["forwarders"]:
+            while True:
+                try:
+                    log = Path(fw["log"]).read_text()
+                except OSError:
+                    log = ""
+                if '{"ready": true' in log:
+                    break
+                cable = f"{fw['link'][0]}-{fw['link'][1]}"
+                if _proc_start(fw["pid"]) != fw["start"] or _reaped(self._procs, fw["pid"]):
+                    raise TestbedError(f"the WAN forwarder of cable {cable} exited:\n{log[-2000:]}")
+                if time.monotonic() > deadline:
+                    raise TestbedError(f"the WAN forwarder of cable {cable} was not ready within {timeout:.0f} s:\n"
+                                       f"{log[-2000:]}")
+                time.sleep(0.02)
+
     def _wait_links(self, timeout=10.0):
-        """Until every interface reports LOWER_UP (veth carrier comes up asynchronously)."""
+        """Until every interface reports LOWER_UP (veth carrier comes up asynchronously; a TUN end
+        once its forwarder has attached to it)."""
         deadline = time.monotonic() + timeout
         for i in range(self.n):
             while True:
                 p = _run(["ip", "-n", self.ns(i), "-o", "link", "show", "up"], check=False)
                 want = [cable_iface(i, j) for j in self.peers(i)] + [LAN_IFACE]
-                ok = all(re.search(rf"\b{w}@\S+: <[^>]*LOWER_UP", p.stdout) for w in want)
+                ok = all(re.search(rf"\b{w}(@\S+)?: <[^>]*LOWER_UP", p.stdout) for w in want)
                 if ok:
                     break
                 if time.monotonic() > deadline:
@@ -394,6 +489,12 @@ class Testbed:
                 return
         teardown(state)
         self._state = None
+        for p in self._procs:  # reap the forwarders this process started (teardown killed them)
+            try:
+                p.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+        self._procs = []
 
     def _down_at_exit(self):
         if self._state is not None:
@@ -423,7 +524,7 @@ class Testbed:
             raise TestbedError(f"cannot read the state of testbed {name!r} ({_state_path(name)}): {e}") from None
         tb = cls(state["nodes"], name=name, link_rate=state["link_rate_bps"], lan_rate=state["lan_rate_bps"],
                  mtu=state.get("mtu"), mtu_ends={(i, j): m for i, j, m in state.get("mtu_ends", [])},
-                 links=state["links"], node_addrs=state.get("node_addrs", False))
+                 links=state["links"], node_addrs=state.get("node_addrs", False), wan=state.get("wan") or None)
         tb._attached = state
         return tb
 
@@ -458,7 +559,9 @@ class Testbed:
                          stream=stream, out=out, grace=grace, ranks=ranks)
 
     def set_cable(self, i, j, up):
-        """Takes the cable between nodes i and j down (node i's end; the peer sees no carrier) or up."""
+        """Takes the cable between nodes i and j down (node i's end; the peer sees no carrier) or up.
+        On a WAN cable the forwarder mirrors the state as the peer's carrier within 0.1 s and drops
+        what was in flight to the end that is down."""
         _run(["ip", "-n", self.ns(i), "link", "set", cable_iface(i, j), "up" if up else "down"])
 
 
@@ -466,6 +569,12 @@ def teardown(state):
     """Removes what a state record lists: kills processes left in its namespaces, deletes them,
     removes its files, then the state file."""
     errors = []
+    for fw in state.get("forwarders", []):
+        if fw.get("start") is not None and _proc_start(fw["pid"]) == fw["start"]:
+            try:
+                os.kill(fw["pid"], signal.SIGKILL)
+            except ProcessLookupError:
+                pass
     for ns in reversed(state.get("namespaces", [])):
         p = subprocess.run(["ip", "netns", "pids", ns], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         for pid in p.stdout.split():
@@ -514,14 +623,30 @@ def down(name="plaitbed", force=False):
         raise TestbedError(f"no state recorded for testbed {name!r}, but namespaces {', '.join(strays)} exist; "
                            f"remove them with `plait testbed down --name {name} --force`")
     if strays:
-        teardown({"name": name, "namespaces": strays,
-                  "files": [str(NETNS_ETC / ns / "hosts") for ns in strays],
+        teardown({"name": name, "namespaces": strays,  # (WAN forwarders live in node namespaces: killed too)
+                  "files": [str(NETNS_ETC / ns / "hosts") for ns in strays]
+                  + [str(p) for p in STATE_DIR.glob(f"{name}-wan-*.log")],
                   "dirs": [str(NETNS_ETC / ns) for ns in strays] + [str(NETNS_ETC)]})
     try:
         path.unlink()
     except FileNotFoundError:
         pass
     return strays
+
+
+def _proc_start(pid):
+    """The start time of process pid (clock ticks since boot), or None if there is none: with the
+    pid it names one process, even after the pid is reused."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return int(stat.rsplit(")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _reaped(procs, pid):
+    """Whether one of our own child processes with this pid has exited."""
+    return any(p.pid == pid and p.poll() is not None for p in procs)
 
 
 def free_port():
@@ -531,6 +656,7 @@ def free_port():
 
 
 from .run import RunResult, run_ranks  # noqa: E402  (run.py uses the names above)
+from . import wan as _wan  # noqa: E402
 
 __all__ = ["Testbed", "TestbedError", "RunResult", "check_can_build", "not_linux", "down", "list_testbeds",
            "parse_rate", "format_rate", "cable_addr", "cable_iface", "cable_subnet", "lan_addr", "node_addr", "LAN_IFACE",
