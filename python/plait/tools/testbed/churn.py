@@ -56,6 +56,21 @@ def _inputs(member: str, epoch: int, index: int):
     return np.arange(ELEMENTS, dtype=np.float64) * 0.5 + base
 
 
+def _join_logged(peers: List[str], listen: str, hb: float, emit):
+    """Joins (or founds) the group, logging it; None if joining failed (logged)."""
+    import plait
+    import plait.elastic
+
+    emit(event="joining")
+    try:
+        comm = plait.elastic.join(peers, listen=listen, heartbeat_timeout=hb, timeout=max(30.0, 10 * hb))
+    except plait.PlaitError as e:
+        emit(event="join_failed", error=str(e))
+        return None
+    emit(event="joined", id=comm.member_id, contact=comm.contact, epoch=comm.epoch, world=comm.world_size, pid=os.getpid())
+    return comm
+
+
 def member_main(argv: List[str]) -> int:
     """One member: `python -m plait.tools.testbed.churn member LOG STOPFILE HB LISTEN [PEER...]`."""
     import numpy as np
@@ -70,13 +85,9 @@ def member_main(argv: List[str]) -> int:
         event["t"] = time.time()
         log.write(json.dumps(event) + "\n")
 
-    emit(event="joining")
-    try:
-        comm = plait.elastic.join(peers, listen=listen, heartbeat_timeout=hb, timeout=max(30.0, 10 * hb))
-    except plait.PlaitError as e:
-        emit(event="join_failed", error=str(e))
+    comm = _join_logged(peers, listen, hb, emit)
+    if comm is None:
         return 1
-    emit(event="joined", id=comm.member_id, contact=comm.contact, epoch=comm.epoch, pid=os.getpid())
     index: Dict[int, int] = {}
     try:
         while not os.path.exists(stop_file):
@@ -199,13 +210,9 @@ def _diloco_member(log_path: str, cfg: dict, hb: float, listen: str, peers: List
     inner = torch.optim.AdamW(model.parameters(), lr=float(cfg.get("lr", 1e-3)))
     teacher = torch.randn(16, 4)
     probe = torch.randn(256, 16)
-    emit(event="joining")
-    try:
-        comm = plait.elastic.join(peers, listen=listen, heartbeat_timeout=hb, timeout=max(30.0, 10 * hb))
-    except plait.PlaitError as e:
-        emit(event="join_failed", error=str(e))
+    comm = _join_logged(peers, listen, hb, emit)
+    if comm is None:
         return 1
-    emit(event="joined", id=comm.member_id, contact=comm.contact, epoch=comm.epoch, world=comm.world_size, pid=os.getpid())
     _arm_kill_mid_average(comm, Path(cfg["die_dir"]) / comm.member_id, emit)
     end_file = Path(cfg["end_file"])
     gen = torch.Generator().manual_seed(int(comm.member_id[-8:], 16))  # each member its own batches
