@@ -119,6 +119,17 @@ CORE_SETTINGS = [
 ]
 
 
+@pytest.mark.parametrize("name,value,said", [
+    ("PLAIT_MEASURE", "yes", "must be auto, 1 or 0"),
+    ("PLAIT_RING_ORDER", "0,1", "not an order of the 1 ranks"),
+    ("PLAIT_RING_ORDER", "ring", "'ring' is not a rank"),
+])
+def test_link_settings_are_refused_in_words(monkeypatch, name, value, said):
+    monkeypatch.setenv(name, value)
+    err = _raises(lambda: _new(), said)
+    assert isinstance(err, plait.ConfigError), err
+
+
 @pytest.mark.parametrize("name,value", [(n, v) for n, vs in CORE_SETTINGS for v in vs])
 def test_core_settings(monkeypatch, name, value):
     monkeypatch.setenv(name, value)

@@ -141,9 +141,24 @@ class Communicator:
         return self._comm.algorithm_for(coll, nbytes, root)
 
     def routes(self) -> List[Dict[str, Any]]:
-        """Per peer: the local and remote address and interface used, why, the start-up RTT and the
-        number of TCP streams (`PLAIT_STREAMS`)."""
+        """Per peer: the local and remote address and interface used, why, the start-up RTT, the
+        number of TCP streams (`PLAIT_STREAMS`) and the rate measured from that peer (`rx_bps`,
+        bytes/s; None unless the links were measured, `PLAIT_MEASURE`)."""
         return self._comm.routes()
+
+    def ring_order(self) -> List[int]:
+        """The order ring algorithms pass data in: rank `order[p]` sends to `order[p + 1]`. The rank
+        order, unless the links were measured (`PLAIT_MEASURE`) or `PLAIT_RING_ORDER` gives one;
+        every rank has the same."""
+        return self._comm.ring_order()
+
+    def link_matrix(self) -> Optional[Dict[str, List[List[Optional[float]]]]]:
+        """Every directed link as measured at start-up: `{"latency_s": m, "bandwidth_bps": m}`
+        with `m[i][j]` for the link from rank i to rank j (bytes per second; latency is half the
+        round trip), the same on every rank; None when the links were not measured
+        (`PLAIT_MEASURE`: by default only when some ranks are on other hosts)."""
+        m = self._comm.link_matrix()
+        return None if m is None else {"latency_s": m[0], "bandwidth_bps": m[1]}
 
     def topology(self) -> str:
         """"full_mesh", "shared", "partial_mesh" or "single": how the ranks are wired (all agree)."""

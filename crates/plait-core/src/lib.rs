@@ -28,7 +28,7 @@ mod store;
 
 pub use codec::{round_trip as wire_round_trip, Wire};
 pub use comm::{
-    argument_range, check_argument, check_setting, refuse_argument, check_timeout, setting, CommConfig, Communicator, LinkRecord, Range, Setting, ThreadUse, Token, Topology,
+    argument_range, check_argument, check_setting, refuse_argument, check_timeout, setting, CommConfig, Communicator, LinkRecord, Measure, Range, RingOrder, Setting, ThreadUse, Token, Topology,
     Work, ARGUMENTS, SETTINGS,
 };
 pub use dtype::{DType, ReduceOp};
@@ -40,5 +40,5 @@ pub use net::frame::RESERVED_TAGS;
 pub use net::iface::{list_interfaces, IfaceAddr};
 pub use platform::host::host_identity;
 pub use raw::RawBuf;
-pub use sched::{gen::algorithms, Collective};
+pub use sched::{gen::algorithms, order::LinkMatrix, Collective};
 pub use store::{call_with_deadline, MemStore, Store};

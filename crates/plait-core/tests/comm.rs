@@ -3,7 +3,7 @@
 //! Every `unsafe` call here passes buffers that live on the calling test's stack or heap until
 //! it has waited for the call's Work: the contract of `plait_core::RawBuf`.
 
-use plait_core::{algorithms, CollRequest, Collective, CommConfig, Communicator, DType, MemStore, PlaitError, RawBuf, ReduceOp};
+use plait_core::{algorithms, CollRequest, Collective, CommConfig, Communicator, DType, Measure, MemStore, PlaitError, RawBuf, ReduceOp, RingOrder};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -466,4 +466,55 @@ fn a_rank_with_a_parked_frame_aborts_and_closes_without_waiting_for_it() {
         });
         assert_eq!(results, vec![true, true], "caller_reads={caller_reads}: (rank 0's send failed, rank 1 closed promptly)");
     }
+}
+
+#[test]
+fn measured_links_are_shared_alike_and_the_ring_runs_in_the_order_given() {
+    // Loopback links are measured only when asked (PLAIT_MEASURE=1): every rank ends with the
+    // same matrix of positive rates and the same ring order, and rings run correctly in it.
+    let n = 4;
+    let out = world_with(n, 0, |cfg| cfg.measure = Measure::Always, move |comm| {
+        let m = comm.link_matrix().expect("measured").clone();
+        let mut input: Vec<f32> = (0..1000).map(|i| (i + comm.rank()) as f32).collect();
+        let mut output = vec![0f32; 1000];
+        allreduce(&comm, &mut input, &mut output, Some("ring")).unwrap();
+        let want: Vec<f32> = (0..1000).map(|i| (n * i + 6) as f32).collect();
+        assert_eq!(output, want);
+        (m, comm.ring_order())
+    });
+    for (m, order) in &out {
+        assert_eq!(m, &out[0].0, "every rank has the same matrix");
+        assert_eq!(order, &out[0].1, "every rank has the same ring order");
+        for i in 0..n {
+            for j in (0..n).filter(|&j| j != i) {
+                assert!(m.bandwidth(i, j) > 1e6 && m.latency(i, j) > 0.0, "{i}->{j}: {m:?}");
+            }
+        }
+    }
+    let out = world_with(n, 0, |cfg| cfg.ring_order = RingOrder::Given(vec![0, 2, 1, 3]), move |comm| {
+        assert!(comm.link_matrix().is_none(), "loopback is not measured by default");
+        for algo in ["ring", "ring2"] {
+            let mut input: Vec<f32> = (0..777).map(|i| (i * (comm.rank() + 1)) as f32).collect();
+            let mut output = vec![0f32; 777];
+            allreduce(&comm, &mut input, &mut output, Some(algo)).unwrap();
+            assert_eq!(output, (0..777).map(|i| (i * 10) as f32).collect::<Vec<_>>(), "{algo}");
+        }
+        comm.ring_order()
+    });
+    assert!(out.iter().all(|o| o == &[0, 2, 1, 3]), "{out:?}");
+}
+
+#[test]
+fn ranks_given_different_ring_orders_all_fail_naming_their_orders_instead_of_mixing_data() {
+    let out = world_with(3, 0, |cfg| {
+        cfg.timeout = Duration::from_secs(2);
+        cfg.ring_order = if cfg.rank == 0 { RingOrder::Rank } else { RingOrder::Given(vec![0, 2, 1]) };
+    }, |comm| {
+        let mut input = vec![1f32; 3000];
+        let mut output = vec![0f32; 3000];
+        allreduce(&comm, &mut input, &mut output, Some("ring")).map_err(|e| e.to_string())
+    });
+    assert!(out.iter().all(|r| r.is_err()), "{out:?}");
+    let shown = format!("{out:?}");
+    assert!(shown.contains("ring (order 0>2>1)") && shown.contains("elements, ring)"), "{shown}");
 }

@@ -605,9 +605,28 @@ impl PyComm {
                 d.set_item("same_host", r.same_host)?;
                 d.set_item("rtt_us", r.rtt_us)?;
                 d.set_item("streams", r.streams)?;
+                d.set_item("rx_bps", r.rx_bps)?;
                 Ok(d)
             })
             .collect()
+    }
+
+    /// The order ring algorithms pass data in: position p is rank order[p], which sends to
+    /// order[p + 1] (PLAIT_RING_ORDER; rank order unless the links were measured).
+    fn ring_order(&self) -> Vec<usize> {
+        self.comm.ring_order()
+    }
+
+    /// Each directed link as measured at start-up (PLAIT_MEASURE): (latency in seconds,
+    /// bandwidth in bytes per second), each as [from][to] with None on the diagonal; None when
+    /// the links were not measured.
+    #[allow(clippy::type_complexity)]
+    fn link_matrix(&self) -> Option<(Vec<Vec<Option<f64>>>, Vec<Vec<Option<f64>>>)> {
+        let m = self.comm.link_matrix()?;
+        let table = |f: &dyn Fn(usize, usize) -> f64| -> Vec<Vec<Option<f64>>> {
+            (0..m.n).map(|i| (0..m.n).map(|j| (i != j).then(|| f(i, j))).collect()).collect()
+        };
+        Some((table(&|i, j| m.latency(i, j)), table(&|i, j| m.bandwidth(i, j))))
     }
 
     /// How the ranks are wired, as every rank sees it: "single", "full_mesh" (a dedicated

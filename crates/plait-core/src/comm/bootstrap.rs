@@ -6,6 +6,7 @@
 //! again for each new member set.
 
 use super::config::{CommConfig, MAX_STREAMS};
+use super::measure;
 use super::topology::{self, LinkRecord, RouteFile, Topology};
 use crate::dtype::DType;
 use crate::error::{PlaitError, Result};
@@ -20,6 +21,7 @@ use crate::net::peer::PeerLink;
 use crate::net::route::{candidate_routes, listen_addrs, prefer_dedicated, IfaceFilter, Route};
 use crate::platform::host::{self, same_host};
 use crate::raw::RawBuf;
+use crate::sched::order::LinkMatrix;
 use crate::session::{Demux, Groups, Mailbox, Session};
 use crate::store::Store;
 use serde::{Deserialize, Serialize};
@@ -68,6 +70,8 @@ pub(crate) struct Mesh {
     /// This rank's link records, by peer.
     pub routes: Vec<LinkRecord>,
     pub topology: Topology,
+    /// Every directed link's latency and bandwidth, when they were measured (`PLAIT_MEASURE`).
+    pub links: Option<LinkMatrix>,
 }
 
 /// Everything the steps share.
@@ -201,16 +205,26 @@ pub(crate) fn bootstrap_from(store: &dyn Store, cfg: &CommConfig, kept: Option<K
                 l.admit(&higher);
             }
             let routing = Routing { me: &me, infos: &infos, filter: filter.as_ref(), file: route_file.as_ref() };
-            connect_mesh(&plan, &routing, listener.as_ref(), &demux, &mut session, &mut routes)
+            connect_mesh(&plan, &routing, listener.as_ref(), &demux, &mut session, &mut routes)?;
+            Ok(infos)
         });
         watching.store(false, std::sync::atomic::Ordering::SeqCst);
         r
     });
     let session = Arc::new(session);
     demux.attach(&session);
-    let all_links = connected.and_then(|_| {
+    let all_links = connected.and_then(|infos| {
         let rtts = probe(&session, plan.deadline)?;
         size_buffers(&session, &me.addrs, &mut routes, &rtts);
+        if cfg.measure.wanted(infos.iter().any(|i| !same_host(i.machine.as_deref(), infos[0].machine.as_deref()))) {
+            let t0 = Instant::now();
+            for (peer, rate) in measure::measure_bandwidth(&session, &rtts, plan.deadline)? {
+                if let Some(r) = routes.iter_mut().find(|r| r.peer == peer) {
+                    r.rx_bps = rate;
+                }
+            }
+            tracing::info!("rank {rank}: links measured in {:.0} ms", t0.elapsed().as_secs_f64() * 1e3);
+        }
         share_links(&plan, &mut routes)
     });
     let all_links = match all_links {
@@ -225,6 +239,7 @@ pub(crate) fn bootstrap_from(store: &dyn Store, cfg: &CommConfig, kept: Option<K
         }
     };
     let topology = if size == 1 { Topology::Single } else { topology::classify(&all_links) };
+    let links = topology::link_matrix(&all_links);
     if rank == 0 {
         tracing::info!("topology: {}", topology.name());
         for (r, links) in all_links.iter().enumerate() {
@@ -233,7 +248,7 @@ pub(crate) fn bootstrap_from(store: &dyn Store, cfg: &CommConfig, kept: Option<K
             }
         }
     }
-    Ok(Mesh { session, demux, listener, routes, topology })
+    Ok(Mesh { session, demux, listener, routes, topology, links })
 }
 
 /// A link is kept only if both ends kept it: a rank whose last mesh failed (or that is new)
@@ -389,6 +404,7 @@ fn connect_mesh(
             rtt_us: None,
             reason: route.reason.clone(),
             streams: lanes as usize,
+            rx_bps: None,
         });
         start(peer, format!("{}:{}", route.peer_ip, info.port), streams, session)?;
     }
@@ -410,6 +426,7 @@ fn connect_mesh(
             rtt_us: None,
             reason: format!("rank {peer} ({}) connected from {remote}", info.host),
             streams: lanes as usize,
+            rx_bps: None,
         });
         let mut streams = vec![stream];
         for lane in 1..lanes {
@@ -507,7 +524,9 @@ fn share_links(plan: &Plan, routes: &mut [LinkRecord]) -> Result<Vec<Vec<LinkRec
     let mut all = Vec::with_capacity(plan.cfg.size);
     for r in 0..plan.cfg.size {
         if r == rank {
-            all.push(routes.to_vec());
+            // As the others read them: a float does not always come back from JSON to the same
+            // bit, and every rank must derive the ring order from identical numbers.
+            all.push(serde_json::from_slice(&serde_json::to_vec(&routes).unwrap()).expect("records read back"));
             continue;
         }
         let raw = plan.store.get(&format!("{}/links/{r}", plan.prefix), plan.left())?;

@@ -174,6 +174,20 @@ pub const SETTINGS: &[Setting] = &[
         range: None,
     },
     Setting {
+        name: "PLAIT_MEASURE",
+        kind: "choice",
+        default: "auto",
+        doc: "Measure every directed link's bandwidth at start-up (a train of frames per link, n - 1 rounds of 30 ms to 1 s), for the cost model and the ring order: auto (when some ranks are on other hosts), 1 (always) or 0 (never).",
+        range: None,
+    },
+    Setting {
+        name: "PLAIT_RING_ORDER",
+        kind: "text",
+        default: "measured",
+        doc: "The order ring algorithms pass data in: measured (the order whose slowest link is fastest, from the measured links; rank order when they were not measured), rank, or a list of every rank (`0,2,1,3`), the same on every rank.",
+        range: None,
+    },
+    Setting {
         name: "PLAIT_WIRE_DTYPE",
         kind: "choice",
         default: "native",
@@ -328,6 +342,10 @@ pub struct CommConfig {
     pub wire: Wire,
     /// `PLAIT_UNEXPECTED_BYTES`: bytes of early messages held per peer.
     pub unexpected_bytes: u64,
+    /// `PLAIT_MEASURE`: whether start-up measures each link's bandwidth.
+    pub measure: Measure,
+    /// `PLAIT_RING_ORDER`: the order ring algorithms pass data in.
+    pub ring_order: RingOrder,
     /// Which threads may call collectives (not a setting: the layer above decides).
     pub threads: ThreadUse,
     /// `PLAIT_TOKEN` or `PLAIT_TOKEN_FILE`: a secret every rank's links must prove.
@@ -340,6 +358,57 @@ pub struct CommConfig {
     /// Start-up gives up as soon as this says so (elastic mode: the group moved on while this
     /// view's mesh was being built). Not a setting.
     pub give_up: Option<GiveUp>,
+}
+
+/// `PLAIT_MEASURE`: when start-up measures each link's bandwidth.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Measure {
+    /// When some ranks are on other hosts (links within a host all share its memory).
+    Auto,
+    Always,
+    Never,
+}
+
+impl Measure {
+    pub fn from_name(v: &str) -> Result<Measure> {
+        match v.trim() {
+            "auto" | "" => Ok(Measure::Auto),
+            "1" => Ok(Measure::Always),
+            "0" => Ok(Measure::Never),
+            _ => Err(PlaitError::Config(format!("PLAIT_MEASURE={v:?} must be auto, 1 or 0"))),
+        }
+    }
+
+    /// Whether to measure, given whether any two ranks are on different hosts.
+    pub fn wanted(self, off_host: bool) -> bool {
+        match self {
+            Measure::Auto => off_host,
+            Measure::Always => true,
+            Measure::Never => false,
+        }
+    }
+}
+
+/// `PLAIT_RING_ORDER`: the order ring algorithms pass data in.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum RingOrder {
+    /// From the measured links (`sched::order::best_ring`); rank order without measurements.
+    Measured,
+    Rank,
+    /// Every rank, in the order given.
+    Given(Vec<usize>),
+}
+
+impl RingOrder {
+    pub fn from_text(v: &str, size: usize) -> Result<RingOrder> {
+        match v.trim() {
+            "measured" | "" => Ok(RingOrder::Measured),
+            "rank" => Ok(RingOrder::Rank),
+            text => crate::sched::order::parse_order(text, size)
+                .map(RingOrder::Given)
+                .map_err(|e| PlaitError::Config(format!("PLAIT_RING_ORDER: {e} (or measured, or rank)"))),
+        }
+    }
 }
 
 /// A question start-up asks while it waits: "should I stop?".
@@ -508,6 +577,8 @@ impl CommConfig {
                 .ok_or_else(|| PlaitError::Config(format!("PLAIT_WIRE_DTYPE={v:?}: one of native, bf16, f16, int8")))?,
             None => Wire::Native,
         };
+        let measure = setting("PLAIT_MEASURE").map_or(Ok(Measure::Auto), |v| Measure::from_name(&v))?;
+        let ring_order = setting("PLAIT_RING_ORDER").map_or(Ok(RingOrder::Measured), |v| RingOrder::from_text(&v, size))?;
         let encrypt = match setting("PLAIT_ENCRYPT").as_deref().map(str::trim) {
             None | Some("0") => false,
             Some("1") => true,
@@ -534,6 +605,8 @@ impl CommConfig {
             routes_file: setting("PLAIT_ROUTES"),
             wire,
             unexpected_bytes,
+            measure,
+            ring_order,
             threads: ThreadUse::default(),
         })
     }

@@ -7,12 +7,13 @@
 
 mod bootstrap;
 pub(crate) mod config;
+mod measure;
 mod threads;
 mod topology;
 mod work;
 mod workers;
 
-pub use config::{argument_range, check_argument, check_setting, refuse_argument, check_timeout, setting, CommConfig, GiveUp, Range, Setting, Token, ARGUMENTS, SETTINGS};
+pub use config::{argument_range, check_argument, check_setting, refuse_argument, check_timeout, setting, CommConfig, GiveUp, Measure, Range, RingOrder, Setting, Token, ARGUMENTS, SETTINGS};
 pub use threads::ThreadUse;
 pub use topology::{LinkRecord, Topology};
 pub use work::Work;
@@ -26,6 +27,7 @@ use crate::net::frame::{FrameKind, RESERVED_TAGS};
 use crate::net::listener::Listener;
 use crate::raw::RawBuf;
 use crate::sched::cost::LinkModel;
+use crate::sched::order::{best_ring, LinkMatrix};
 use crate::sched::select::{parse_algo_spec, Selector};
 use crate::sched::Collective;
 use crate::session::{group_id, Demux, Mailbox, Session};
@@ -45,6 +47,8 @@ pub struct Communicator {
     listener: Mutex<Option<Listener>>,
     routes: Vec<LinkRecord>,
     topology: Topology,
+    /// Every directed link's latency and bandwidth, when measured (`PLAIT_MEASURE`).
+    links: Option<Arc<LinkMatrix>>,
     closed: AtomicBool,
     workers: Workers,
     /// Which threads may call collectives (`cfg.threads`), and the collectives running.
@@ -61,14 +65,36 @@ struct Owner {
     ranks: Vec<usize>,
 }
 
-/// The algorithm selector of a communicator configured by `cfg` on a mesh of `topology`.
-fn selector(cfg: &CommConfig, topology: Topology) -> Result<Selector> {
+/// The algorithm selector of a communicator configured by `cfg` on a mesh of `topology` whose
+/// links measured `links`: the cost model takes each link's own latency and bandwidth, and ring
+/// algorithms run in the order `PLAIT_RING_ORDER` says.
+fn selector(cfg: &CommConfig, topology: Topology, links: Option<Arc<LinkMatrix>>) -> Result<Selector> {
     let overrides = match &cfg.algo {
         Some(spec) => parse_algo_spec(spec)?,
         None => Default::default(),
     };
-    let model = LinkModel { shared: topology != Topology::FullMesh, ..LinkModel::default() };
-    Ok(Selector::new(overrides, model, cfg.segment_bytes))
+    let order = match &cfg.ring_order {
+        RingOrder::Rank => None,
+        RingOrder::Given(order) => Some(order.clone()).filter(|o| o.len() == cfg.size),
+        RingOrder::Measured => links.as_deref().filter(|m| m.n == cfg.size).map(|m| best_ring(m, cfg.segment_bytes as f64)),
+    };
+    let model = LinkModel { shared: topology != Topology::FullMesh, links, ..LinkModel::default() };
+    let selector = Selector::new(overrides, model, cfg.segment_bytes);
+    Ok(match order {
+        Some(order) => selector.with_ring_order(order),
+        None => selector,
+    })
+}
+
+/// `0->1 120us 940, 0->2 ...`: one line for the log.
+fn describe_links(m: &LinkMatrix) -> String {
+    let mut parts = Vec::new();
+    for i in 0..m.n {
+        for j in (0..m.n).filter(|&j| j != i) {
+            parts.push(format!("{i}->{j} {:.0} {:.0}", m.latency(i, j) * 1e6, m.bandwidth(i, j) * 8e-6));
+        }
+    }
+    parts.join(", ")
 }
 
 impl Communicator {
@@ -76,21 +102,26 @@ impl Communicator {
     pub fn new(store: &dyn Store, cfg: CommConfig) -> Result<Arc<Communicator>> {
         cfg.validate()?;
         // Settings are checked before anything is published, so a typo fails every rank at once.
-        selector(&cfg, Topology::FullMesh)?;
+        selector(&cfg, Topology::FullMesh, None)?;
         let mesh = bootstrap::bootstrap(store, &cfg)?;
         Ok(Communicator::of_mesh(cfg, mesh)?)
     }
 
     fn of_mesh(cfg: CommConfig, mesh: bootstrap::Mesh) -> Result<Arc<Communicator>> {
         let cfg_threads = cfg.threads;
+        let links = mesh.links.map(Arc::new);
+        if let (Some(m), 0) = (&links, cfg.rank) {
+            tracing::info!("links measured (latency us, Mbit/s): {}", describe_links(m));
+        }
         Ok(Arc::new(Communicator {
-            selector: selector(&cfg, mesh.topology)?,
+            selector: selector(&cfg, mesh.topology, links.clone())?,
             cfg,
             session: mesh.session,
             seq: AtomicU64::new(1),
             listener: Mutex::new(mesh.listener),
             routes: mesh.routes,
             topology: mesh.topology,
+            links,
             closed: AtomicBool::new(false),
             workers: Workers::new(),
             threads: Threads::new(cfg_threads),
@@ -164,8 +195,11 @@ impl Communicator {
             group: format!("{}/{name}", self.cfg.group),
             timeout: timeout.unwrap_or(self.cfg.timeout),
             algo: algo.or_else(|| self.cfg.algo.clone()),
+            // An order given for the whole group names its ranks, not the subgroup's.
+            ring_order: if self.cfg.ring_order == RingOrder::Rank { RingOrder::Rank } else { RingOrder::Measured },
             ..self.cfg.clone()
         };
+        let links = self.links.as_deref().map(|m| Arc::new(m.sub(ranks)));
         let id = group_id(&cfg.group);
         let mailbox = Arc::new(Mailbox::with_limits(cfg.unexpected_bytes, cfg.timeout));
         let demux = Arc::new(Demux::new(mailbox.clone(), bootstrap::heartbeat(self.cfg.timeout), None));
@@ -179,13 +213,14 @@ impl Communicator {
             .collect();
         let threads = cfg.threads;
         Ok(Arc::new(Communicator {
-            selector: selector(&cfg, self.topology)?,
+            selector: selector(&cfg, self.topology, links.clone())?,
             cfg,
             session,
             seq: AtomicU64::new(1),
             listener: Mutex::new(None),
             routes,
             topology: self.topology,
+            links,
             closed: AtomicBool::new(false),
             workers: Workers::new(),
             threads: Threads::new(threads),
@@ -414,6 +449,19 @@ impl Communicator {
         let n = self.cfg.size;
         let block_bytes: Vec<usize> = (0..n).map(|i| (i + 1) * nbytes / n - i * nbytes / n).collect();
         Ok(self.selector.choose(coll, n, root, &block_bytes, None)?.name.clone())
+    }
+
+    /// The order ring algorithms pass data in: position p is rank `order[p]`, which sends to
+    /// `order[p + 1]` (`PLAIT_RING_ORDER`; the rank order unless the links were measured).
+    pub fn ring_order(&self) -> Vec<usize> {
+        let n = self.cfg.size;
+        self.selector.ring_order(n).map_or_else(|| (0..n).collect(), <[usize]>::to_vec)
+    }
+
+    /// Every directed link's latency (seconds) and bandwidth (bytes per second) as measured at
+    /// start-up, `[from][to]`; None when they were not measured (`PLAIT_MEASURE`).
+    pub fn link_matrix(&self) -> Option<&LinkMatrix> {
+        self.links.as_deref()
     }
 
     /// Ends every operation in flight (they fail with `Aborted`) and breaks the communicator.

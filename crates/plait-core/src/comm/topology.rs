@@ -4,6 +4,7 @@
 use crate::error::{PlaitError, Result};
 use crate::net::iface::IfaceAddr;
 use crate::net::route::Route;
+use crate::sched::order::LinkMatrix;
 use serde::{Deserialize, Serialize};
 use std::net::IpAddr;
 
@@ -47,10 +48,21 @@ pub struct LinkRecord {
     /// TCP connections to this peer (`PLAIT_STREAMS`).
     #[serde(default = "one")]
     pub streams: usize,
+    /// Bytes per second from the peer to this rank, measured at start-up (`PLAIT_MEASURE`).
+    #[serde(default)]
+    pub rx_bps: Option<f64>,
 }
 
 fn one() -> usize {
     1
+}
+
+/// Every directed link's latency (half the round trip its sender measured) and bandwidth (as its
+/// receiver measured it), from every rank's link records; None unless every link was measured.
+/// Pure, so every rank builds the same matrix from the same records.
+pub fn link_matrix(records: &[Vec<LinkRecord>]) -> Option<LinkMatrix> {
+    let rec = |r: usize, peer: usize| records.get(r)?.iter().find(|l| l.peer == peer);
+    LinkMatrix::from_fn(records.len(), |i, j| Some((rec(i, j)?.rtt_us? / 2e6, rec(j, i)?.rx_bps?)))
 }
 
 /// Derives the topology from every rank's link records (`records[r]` = rank r's links). Pure,
@@ -175,7 +187,7 @@ mod tests {
     use super::*;
 
     fn rec(peer: usize, iface: &str, same_host: bool) -> LinkRecord {
-        LinkRecord { peer, local_iface: iface.into(), local: String::new(), remote: String::new(), same_host, rtt_us: None, reason: String::new(), streams: 1 }
+        LinkRecord { peer, local_iface: iface.into(), local: String::new(), remote: String::new(), same_host, rtt_us: None, reason: String::new(), streams: 1, rx_bps: None }
     }
 
     #[test]

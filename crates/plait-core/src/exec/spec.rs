@@ -192,13 +192,13 @@ impl Planner<'_> {
         let seq = self.seq.fetch_add(1, Ordering::SeqCst);
         let total: usize = layout.counts.scratch.iter().sum();
         let what: Arc<str> = if wire != Wire::Native {
-            format!("{coll} #{seq} ({}, {}, {total} elements, {}, {} on the wire)", req.dtype, req.op.name(), sched.name, wire.name())
+            format!("{coll} #{seq} ({}, {}, {total} elements, {}, {} on the wire)", req.dtype, req.op.name(), sched.label(), wire.name())
         } else if coll.reduces() {
-            format!("{coll} #{seq} ({}, {}, {total} elements, {})", req.dtype, req.op.name(), sched.name)
+            format!("{coll} #{seq} ({}, {}, {total} elements, {})", req.dtype, req.op.name(), sched.label())
         } else if coll.rooted() {
-            format!("{coll} #{seq} ({}, root {root}, {total} elements, {})", req.dtype, sched.name)
+            format!("{coll} #{seq} ({}, root {root}, {total} elements, {})", req.dtype, sched.label())
         } else {
-            format!("{coll} #{seq} ({}, {total} elements, {})", req.dtype, sched.name)
+            format!("{coll} #{seq} ({}, {total} elements, {})", req.dtype, sched.label())
         }
         .into();
         let spec = OpSpec {
@@ -208,7 +208,7 @@ impl Planner<'_> {
             root,
             seq,
             timeout: req.timeout.unwrap_or(self.timeout),
-            sched_id: sched_id(&format!("{}/{}", sched.name, wire.name()), self.segment_bytes),
+            sched_id: sched_id(&format!("{}{}/{}", sched.name, sched.variant, wire.name()), self.segment_bytes),
             layout_id: layout_id(coll, &layout.counts.scratch),
             wire,
             what,

@@ -78,6 +78,11 @@ pub const RESERVED_TAGS: u64 = 1 << 63;
 /// the same word, so the round trip measures the link, not how far along the peer is.
 pub const PING_TAG: u64 = u64::MAX;
 pub const PONG_TAG: u64 = u64::MAX - 1;
+/// Start-up bandwidth probes (`PLAIT_MEASURE`): a train of frames of at most
+/// `PROBE_FRAME_BYTES`, sent once the receiver says it is ready with a `PROBE_GO_TAG` word.
+pub const PROBE_TAG: u64 = u64::MAX - 2;
+pub const PROBE_GO_TAG: u64 = u64::MAX - 3;
+pub const PROBE_FRAME_BYTES: u64 = 64 * 1024;
 
 /// What names one collective call on the wire. A receiver compares it with its own call's, so
 /// ranks that disagree about the call (collective, dtype, op, root, algorithm, counts) fail

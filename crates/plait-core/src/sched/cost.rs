@@ -27,13 +27,22 @@
 //! serialises. Charging full alpha per peer would make a one-step fan-out to n-1 peers look no
 //! faster than n-1 sequential steps, which is not what loopback or a LAN shows.
 //! Local copies are not charged (memory bandwidth is far above network bandwidth).
+//!
+//! # Measured links
+//! With a [`LinkMatrix`] (links measured at start-up, `PLAIT_MEASURE`) each link has its own
+//! latency and bandwidth: a step's latency is that of its slowest-to-answer link plus the
+//! per-message overhead (`OVERHEAD_SHARE` of alpha) per peer, and its wire time is each link's
+//! bytes at that link's rate (summed over a rank's links when they share a NIC, the slowest
+//! link's when they are dedicated). Without one every link is alike, as above.
 
+use super::order::LinkMatrix;
 use super::{ChunkRef, LocalOp, Schedule};
+use std::sync::Arc;
 
 /// Fraction of `alpha` that is per-message overhead and serialises across a rank's messages.
 pub const OVERHEAD_SHARE: f64 = 0.125;
 
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct LinkModel {
     /// Seconds per message (latency plus per-message overhead).
     pub alpha: f64,
@@ -44,11 +53,21 @@ pub struct LinkModel {
     /// All of a rank's links share one NIC (or loopback): its sends in a step serialise, and so
     /// do its receives. `false`: a dedicated link per peer (full mesh).
     pub shared: bool,
+    /// Each directed link's latency and bandwidth as measured, for this world size; when set,
+    /// it stands for `alpha`'s latency part and for `bandwidth`.
+    pub links: Option<Arc<LinkMatrix>>,
 }
 
 impl Default for LinkModel {
     fn default() -> Self {
-        LinkModel { alpha: 30e-6, bandwidth: 2e9, gamma: 0.3e-9, shared: true }
+        LinkModel { alpha: 30e-6, bandwidth: 2e9, gamma: 0.3e-9, shared: true, links: None }
+    }
+}
+
+impl LinkModel {
+    /// The measured links, if they are for `n` ranks.
+    fn links_for(&self, n: usize) -> Option<&LinkMatrix> {
+        self.links.as_deref().filter(|m| m.n == n)
     }
 }
 
@@ -87,6 +106,11 @@ impl PeerBytes {
         self.touched.iter().map(|&p| self.bytes[p]).fold(0.0, f64::max)
     }
 
+    /// Seconds per link, `bytes / rate(peer)`: their sum and their maximum.
+    fn seconds(&self, rate: impl Fn(usize) -> f64) -> (f64, f64) {
+        self.touched.iter().map(|&p| self.bytes[p] / rate(p)).fold((0.0, 0.0), |(s, m), t| (s + t, m.max(t)))
+    }
+
     fn clear(&mut self) {
         for &p in &self.touched {
             self.bytes[p] = 0.0;
@@ -96,10 +120,36 @@ impl PeerBytes {
     }
 }
 
-fn wire_seconds(sent: &PeerBytes, received: &PeerBytes, model: &LinkModel) -> f64 {
-    let bytes =
-        if model.shared { sent.sum().max(received.sum()) } else { sent.max().max(received.max()) };
-    bytes / model.bandwidth
+/// Seconds rank `r` spends on the wire for what it sends and receives.
+fn wire_seconds(r: usize, sent: &PeerBytes, received: &PeerBytes, model: &LinkModel, links: Option<&LinkMatrix>) -> f64 {
+    let Some(m) = links else {
+        let bytes = if model.shared { sent.sum().max(received.sum()) } else { sent.max().max(received.max()) };
+        return bytes / model.bandwidth;
+    };
+    let (out_sum, out_max) = sent.seconds(|p| m.bandwidth(r, p));
+    let (in_sum, in_max) = received.seconds(|p| m.bandwidth(p, r));
+    if model.shared {
+        out_sum.max(in_sum)
+    } else {
+        out_max.max(in_max)
+    }
+}
+
+/// The latency of a step in which rank `r` talks to the peers in `sent` and `received`.
+fn step_latency(r: usize, sent: &PeerBytes, received: &PeerBytes, model: &LinkModel, links: Option<&LinkMatrix>) -> f64 {
+    let m = sent.peers().max(received.peers());
+    if m == 0 {
+        return 0.0;
+    }
+    let overhead = model.alpha * OVERHEAD_SHARE * m as f64;
+    match links {
+        None => model.alpha * (1.0 - OVERHEAD_SHARE) + overhead,
+        Some(l) => {
+            let out = sent.touched.iter().map(|&p| l.latency(r, p));
+            let inn = received.touched.iter().map(|&p| l.latency(p, r));
+            out.chain(inn).fold(0.0, f64::max) + overhead
+        }
+    }
 }
 
 /// Estimated seconds to run `s` with block sizes `block_bytes` (missing entries count as 0).
@@ -110,6 +160,7 @@ pub fn estimate(
     segment_bytes: usize,
 ) -> f64 {
     let n = s.nranks;
+    let links = model.links_for(n);
     let size = |r: usize, c: &ChunkRef| {
         block_bytes.get(c.block(s.collective, n, r, s.root)).copied().unwrap_or(0) as f64
     };
@@ -144,12 +195,8 @@ pub fn estimate(
                 }
             }
             let m = sent.peers().max(received.peers());
-            let lat = if m == 0 {
-                0.0
-            } else {
-                model.alpha * (1.0 - OVERHEAD_SHARE + OVERHEAD_SHARE * m as f64)
-            };
-            let work = wire_seconds(&sent, &received, model) + reduced * model.gamma;
+            let lat = step_latency(r, &sent, &received, model, links);
+            let work = wire_seconds(r, &sent, &received, model, links) + reduced * model.gamma;
             step_time[k] = step_time[k].max(lat + work / segs);
             messages += m;
             reduced_total += reduced;
@@ -157,7 +204,7 @@ pub fn estimate(
             received.clear();
         }
         let busy = segs * model.alpha * OVERHEAD_SHARE * messages as f64
-            + wire_seconds(&total_sent, &total_received, model)
+            + wire_seconds(r, &total_sent, &total_received, model, links)
             + reduced_total * model.gamma;
         t_res = t_res.max(busy);
         total_sent.clear();

@@ -28,6 +28,7 @@
 
 pub mod cost;
 pub mod gen;
+pub mod order;
 pub mod select;
 pub mod verify;
 
@@ -243,9 +244,23 @@ pub struct Schedule {
     pub scratch_slots: usize,
     /// `ranks[r]` is rank r's program; all have the same number of steps.
     pub ranks: Vec<Vec<Step>>,
+    /// How this schedule differs from the algorithm's plain one (`order 0>2>1>3`: a ring run in
+    /// that order, see [`order::relabel`]); empty for the plain one. Ranks must agree on it as on
+    /// the name: both go into the call's schedule id.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub variant: String,
 }
 
 impl Schedule {
+    /// The name, with the variant when there is one: `ring (order 0>2>1>3)`.
+    pub fn label(&self) -> String {
+        if self.variant.is_empty() {
+            self.name.clone()
+        } else {
+            format!("{} ({})", self.name, self.variant)
+        }
+    }
+
     pub fn nsteps(&self) -> usize {
         self.ranks.iter().map(|p| p.len()).max().unwrap_or(0)
     }

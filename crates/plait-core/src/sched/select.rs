@@ -6,6 +6,7 @@
 
 use super::cost::{estimate, LinkModel};
 use super::gen::{algorithms, generate, unknown_algorithm};
+use super::order::relabel;
 use super::verify::verify;
 use super::{Collective, Schedule};
 use crate::error::PlaitError;
@@ -53,6 +54,9 @@ pub struct Selector {
     overrides: HashMap<Collective, String>,
     model: LinkModel,
     segment_bytes: usize,
+    /// The order ring algorithms run in (position p on rank `ring_order[p]`); rank order when
+    /// None or for another world size.
+    ring_order: Option<Vec<usize>>,
     schedules: Mutex<HashMap<ScheduleKey, Arc<Schedule>>>,
     decisions: Mutex<HashMap<DecisionKey, Arc<Schedule>>>,
 }
@@ -67,12 +71,25 @@ impl Selector {
             overrides,
             model,
             segment_bytes,
+            ring_order: None,
             schedules: Mutex::new(HashMap::new()),
             decisions: Mutex::new(HashMap::new()),
         }
     }
 
-    /// The generated and verified schedule for `algo`, built once per (coll, algo, n, root).
+    /// Ring algorithms run in `order` (a permutation of the ranks; the identity changes nothing).
+    pub fn with_ring_order(mut self, order: Vec<usize>) -> Self {
+        self.ring_order = Some(order).filter(|o| o.iter().enumerate().any(|(p, &r)| p != r));
+        self
+    }
+
+    /// The ring order for `n` ranks, if it is not the rank order.
+    pub fn ring_order(&self, n: usize) -> Option<&[usize]> {
+        self.ring_order.as_deref().filter(|o| o.len() == n)
+    }
+
+    /// The generated and verified schedule for `algo`, built once per (coll, algo, n, root);
+    /// ring algorithms in the ring order.
     pub fn schedule(
         &self,
         coll: Collective,
@@ -87,10 +104,13 @@ impl Selector {
         }
         // Generated outside the lock: other collectives need not wait; a racing duplicate
         // generation is harmless (same result).
-        let s = generate(coll, algo, n, root)?;
+        let mut s = generate(coll, algo, n, root)?;
+        if let Some(order) = self.ring_order(n).filter(|_| follows_ring_order(coll, algo)) {
+            s = relabel(&s, order);
+        }
         verify(&s).map_err(|e| {
             PlaitError::Config(format!(
-                "built-in {coll} schedule '{algo}' for {n} ranks is wrong: {e}"
+                "built-in {coll} schedule '{}' for {n} ranks is wrong: {e}", s.label()
             ))
         })?;
         let s = Arc::new(s);
@@ -155,6 +175,14 @@ impl Selector {
     }
 }
 
+/// The algorithms whose steps pass data around a ring, and so run in the ring order.
+fn follows_ring_order(coll: Collective, algo: &str) -> bool {
+    matches!(
+        (coll, algo),
+        (Collective::AllReduce, "ring" | "ring2") | (Collective::ReduceScatter, "ring") | (Collective::AllGather, "ring")
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -210,5 +238,33 @@ mod tests {
         assert_eq!(other.choose(Collective::AllReduce, 8, 0, &big, None).unwrap().name, s.name);
         let many = sel.candidates(Collective::AllReduce, ONESHOT_MAX_AUTO_RANKS + 1, 0, &[4; 33]);
         assert!(many.iter().all(|x| x.0 != "oneshot"));
+    }
+
+    #[test]
+    fn measured_links_put_the_ring_around_a_slow_link_and_price_it() {
+        use crate::sched::order::{best_ring, LinkMatrix};
+        let slow = |i: usize, j: usize| (i, j) == (1, 2) || (i, j) == (2, 1);
+        let m = LinkMatrix::from_fn(4, |i, j| Some((1e-3, if slow(i, j) { 5e6 } else { 1.25e8 }))).unwrap();
+        let order = best_ring(&m, (1 << 20) as f64);
+        assert_eq!(order, vec![0, 1, 3, 2]);
+        let model = LinkModel { shared: false, links: Some(Arc::new(m)), ..LinkModel::default() };
+        let plain = Selector::new(HashMap::new(), model.clone(), 1 << 20);
+        let ordered = Selector::new(HashMap::new(), model, 1 << 20).with_ring_order(order);
+        let big = [16usize << 20; 4];
+        let ring = |sel: &Selector| sel.candidates(Collective::AllReduce, 4, 0, &big).into_iter().find(|c| c.0 == "ring").unwrap().1;
+        // The rank-order ring waits on the 40 Mbit/s link every step; the measured one never.
+        assert!(ring(&ordered) * 10.0 < ring(&plain), "{} vs {}", ring(&ordered), ring(&plain));
+        let s = ordered.choose(Collective::AllReduce, 4, 0, &big, Some("ring")).unwrap();
+        assert_eq!(s.label(), "ring (order 0>1>3>2)");
+        // Whatever wins never sends over the slow link (rhd pairs 0-1, 2-3, then 0-2, 1-3).
+        let best = ordered.choose(Collective::AllReduce, 4, 0, &big, None).unwrap();
+        for (r, prog) in best.ranks.iter().enumerate() {
+            assert!(prog.iter().all(|st| st.sends.iter().all(|o| !slow(r, o.peer as usize))), "{}", best.label());
+        }
+        // Algorithms that do not pass data around a ring keep the rank order.
+        let d = ordered.choose(Collective::AllReduce, 4, 0, &big, Some("direct")).unwrap();
+        assert!(d.variant.is_empty());
+        // The identity order changes nothing.
+        assert!(Selector::new(HashMap::new(), LinkModel::default(), 1 << 20).with_ring_order(vec![0, 1, 2, 3]).ring_order(4).is_none());
     }
 }

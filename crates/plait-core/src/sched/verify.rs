@@ -520,6 +520,7 @@ mod tests {
             root: 0,
             scratch_slots: 1,
             ranks,
+            variant: String::new(),
         };
         let e = fails(&s, "counted twice");
         assert!(e.starts_with("in place:"), "{e}");

@@ -34,7 +34,7 @@ use super::Event;
 use crate::codec::Wire;
 use crate::dtype::DType;
 use crate::error::PlaitError;
-use crate::net::frame::{CallId, FrameHeader, FrameKind, PONG_TAG, RESERVED_TAGS};
+use crate::net::frame::{CallId, FrameHeader, FrameKind, PONG_TAG, PROBE_FRAME_BYTES, PROBE_GO_TAG, PROBE_TAG, RESERVED_TAGS};
 use crate::net::peer::{Delivery, LaneWaker};
 use crossbeam_channel::Sender;
 use parking_lot::Mutex;
@@ -601,8 +601,14 @@ fn early(h: &FrameHeader, held: u64) -> String {
 /// Refuses frames that no receive could take, whatever is posted.
 fn refuse_hostile(h: &FrameHeader) -> io::Result<()> {
     if h.kind == FrameKind::P2p as u8 && h.seq >= RESERVED_TAGS {
-        // Link probes are answered by the demux and their answers always awaited.
-        if h.seq != PONG_TAG || h.nbytes > 8 {
+        // Link probes are answered by the demux and their answers always awaited; bandwidth
+        // probes are received by the start-up that asked for them.
+        let allowed = match h.seq {
+            PONG_TAG | PROBE_GO_TAG => 8,
+            PROBE_TAG => PROBE_FRAME_BYTES,
+            _ => 0,
+        };
+        if h.nbytes > allowed || allowed == 0 {
             return Err(io::Error::new(io::ErrorKind::InvalidData, format!("it sent a message with reserved tag {:#x} that nothing receives", h.seq)));
         }
     }

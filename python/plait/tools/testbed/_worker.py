@@ -35,7 +35,8 @@ def _plait(args, rank, n):
         want = n * (n + 1) / 2
         out = np.empty_like(x)
         info = {"algo": comm.algorithm_for("allreduce", args.bytes), "routes": _routes(comm),
-                "topology": comm._comm.topology() if hasattr(comm._comm, "topology") else None}
+                "topology": comm._comm.topology() if hasattr(comm._comm, "topology") else None,
+                "ring_order": comm.ring_order(), "links": comm.link_matrix()}
         for _ in range(args.warmup):
             comm.allreduce(x, out=out)
         times, ok = [], True

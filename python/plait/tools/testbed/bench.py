@@ -32,7 +32,8 @@ _NOISE = ("hostname of the client socket cannot be retrieved",)
 
 def measure(tb, lib, *, nbytes, iters, warmup, timeout, env=None, console=None):
     """Runs the allreduce worker on every node; returns {"t", "ok", "err", "algo", "topology",
-    "routes", "per_rank"} with t = the slowest rank's median time in seconds."""
+    "routes", "times", "ring_order", "links"} with t = the slowest rank's median time in seconds
+    (ring_order and links as rank 0 of plait saw them)."""
     cmd = [sys.executable, "-m", "plait.tools.testbed._worker", "--lib", lib, "--bytes", str(nbytes), "--iters",
            str(iters), "--warmup", str(warmup), "--timeout", str(timeout)]
     res = tb.run(cmd, timeout=timeout + 30, env=env, stream=False, grace=5.0)
@@ -58,7 +59,8 @@ def measure(tb, lib, *, nbytes, iters, warmup, timeout, env=None, console=None):
     first = per_rank[0] if per_rank else {}
     return {"lib": lib, "t": t, "ok": ok, "err": "; ".join(errs) or None, "algo": first.get("algo"),
             "topology": first.get("topology"), "routes": {e["rank"]: e.get("routes") for e in per_rank},
-            "times": {e["rank"]: e["times"] for e in per_rank}}
+            "times": {e["rank"]: e["times"] for e in per_rank}, "ring_order": first.get("ring_order"),
+            "links": first.get("links")}
 
 
 def bench_world(n, *, link_rate, lan_rate, nbytes, iters, timeout, gloo_default=True, gloo_workaround=True,

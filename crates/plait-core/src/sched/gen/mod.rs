@@ -186,6 +186,7 @@ impl Builder {
             root: self.root,
             scratch_slots: self.scratch_slots,
             ranks: self.ranks,
+            variant: String::new(),
         }
     }
 }

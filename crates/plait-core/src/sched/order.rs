@@ -1,0 +1,340 @@
+//! The links as measured, and the ring order they call for.
+//!
+//! A ring-family schedule (the `ring` allreduce, reduce-scatter and allgather, `ring2`) is built
+//! over positions 0..n and then [`relabel`]led: position `p` runs on rank `order[p]`. Every
+//! step of a ring keeps all n of its edges busy at once, so a step lasts as long as its slowest
+//! edge; the order that avoids the slow links is an asymmetric bottleneck travelling-salesman
+//! tour over the measured matrix ([`best_ring`]): exact up to [`EXACT_MAX_RANKS`] ranks, local
+//! search beyond. Every rank computes it from the same shared matrix, so all pick one order.
+
+use super::{Buf, ChunkRef, LocalOp, Schedule};
+
+/// Up to this many ranks the ring order is found by trying every tour ((n-1)! of them, 40320
+/// at 9, a few milliseconds); beyond, by local search from greedy tours.
+pub const EXACT_MAX_RANKS: usize = 9;
+
+/// What each directed link costs: one-way latency (seconds) and bandwidth (bytes per second),
+/// `[from * n + to]`. Built from the link records every rank shares, so identical on all ranks.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LinkMatrix {
+    pub n: usize,
+    latency: Vec<f64>,
+    bandwidth: Vec<f64>,
+}
+
+impl LinkMatrix {
+    /// `latency(i, j)` and `bandwidth(i, j)` for every ordered pair `i != j`; None when one is
+    /// missing or not a positive finite number (a link that was not measured).
+    pub fn from_fn(n: usize, mut link: impl FnMut(usize, usize) -> Option<(f64, f64)>) -> Option<LinkMatrix> {
+        let (mut latency, mut bandwidth) = (vec![0.0; n * n], vec![f64::INFINITY; n * n]);
+        for i in 0..n {
+            for j in (0..n).filter(|&j| j != i) {
+                let (lat, bw) = link(i, j)?;
+                if !(lat.is_finite() && lat >= 0.0 && bw.is_finite() && bw > 0.0) {
+                    return None;
+                }
+                latency[i * n + j] = lat;
+                bandwidth[i * n + j] = bw;
+            }
+        }
+        Some(LinkMatrix { n, latency, bandwidth })
+    }
+
+    pub fn latency(&self, from: usize, to: usize) -> f64 {
+        self.latency[from * self.n + to]
+    }
+
+    pub fn bandwidth(&self, from: usize, to: usize) -> f64 {
+        self.bandwidth[from * self.n + to]
+    }
+
+    /// The links among `ranks` (a subgroup: its rank i is rank `ranks[i]` here).
+    pub fn sub(&self, ranks: &[usize]) -> LinkMatrix {
+        LinkMatrix::from_fn(ranks.len(), |i, j| Some((self.latency(ranks[i], ranks[j]), self.bandwidth(ranks[i], ranks[j]))))
+            .expect("measured links stay measured")
+    }
+
+    /// Seconds to move `bytes` over `from -> to` on its own.
+    pub fn seconds(&self, from: usize, to: usize, bytes: f64) -> f64 {
+        self.latency(from, to) + bytes / self.bandwidth(from, to)
+    }
+}
+
+/// How good a ring is: its slowest edge first (every step waits for it), then the sum of its
+/// edges (fewer slow edges), both for one segment of `bytes`.
+fn ring_cost(m: &LinkMatrix, order: &[usize], bytes: f64) -> (f64, f64) {
+    let n = order.len();
+    let (mut worst, mut sum) = (0.0f64, 0.0f64);
+    for p in 0..n {
+        let t = m.seconds(order[p], order[(p + 1) % n], bytes);
+        worst = worst.max(t);
+        sum += t;
+    }
+    (worst, sum)
+}
+
+fn better(a: (f64, f64), b: (f64, f64)) -> bool {
+    // Within a part in a million counts as equal, so that float noise in a sum cannot make ranks
+    // disagree: they compute on identical numbers in the same order anyway.
+    let close = |x: f64, y: f64| (x - y).abs() <= 1e-6 * x.abs().max(y.abs());
+    if close(a.0, b.0) {
+        !close(a.1, b.1) && a.1 < b.1
+    } else {
+        a.0 < b.0
+    }
+}
+
+/// The ring order (a permutation starting at rank 0: `order[p]` sends to `order[p + 1]`) whose
+/// slowest edge, then whose total, is least for segments of `bytes`. Deterministic: every rank
+/// gets the same order from the same matrix; among equal rings the first found (rank order
+/// first) wins, so equal links keep the rank order.
+pub fn best_ring(m: &LinkMatrix, bytes: f64) -> Vec<usize> {
+    let n = m.n;
+    let identity: Vec<usize> = (0..n).collect();
+    if n <= 3 && (n < 3 || ring_cost(m, &[0, 2, 1], bytes) == ring_cost(m, &identity, bytes)) {
+        return identity;
+    }
+    if n <= EXACT_MAX_RANKS {
+        exact(m, bytes)
+    } else {
+        local_search(m, bytes)
+    }
+}
+
+/// Every tour starting at 0, in lexicographic order (Heap's algorithm would be faster but not in
+/// an order that favours rank order on ties).
+fn exact(m: &LinkMatrix, bytes: f64) -> Vec<usize> {
+    let n = m.n;
+    let mut order: Vec<usize> = (0..n).collect();
+    let mut best = (order.clone(), ring_cost(m, &order, bytes));
+    loop {
+        // next lexicographic permutation of order[1..]
+        let tail = &mut order[1..];
+        let Some(i) = (0..tail.len().saturating_sub(1)).rev().find(|&i| tail[i] < tail[i + 1]) else { break };
+        let j = (i + 1..tail.len()).rev().find(|&j| tail[j] > tail[i]).expect("tail[i+1] > tail[i]");
+        tail.swap(i, j);
+        tail[i + 1..].reverse();
+        let c = ring_cost(m, &order, bytes);
+        if better(c, best.1) {
+            best = (order.clone(), c);
+        }
+    }
+    best.0
+}
+
+/// Greedy tours (nearest next edge from each start, rotated to begin at 0) improved by moving
+/// runs of 1 to 3 ranks elsewhere in the tour (Or-opt, which keeps each run's direction, as an
+/// asymmetric matrix needs), until no move helps. The rank order is a starting tour too.
+fn local_search(m: &LinkMatrix, bytes: f64) -> Vec<usize> {
+    let n = m.n;
+    let mut starts: Vec<Vec<usize>> = vec![(0..n).collect()];
+    for first in 0..n {
+        let mut tour = vec![first];
+        let mut used = vec![false; n];
+        used[first] = true;
+        while tour.len() < n {
+            let last = *tour.last().unwrap();
+            let next = (0..n)
+                .filter(|&j| !used[j])
+                .min_by(|&a, &b| m.seconds(last, a, bytes).total_cmp(&m.seconds(last, b, bytes)))
+                .unwrap();
+            used[next] = true;
+            tour.push(next);
+        }
+        let at = tour.iter().position(|&r| r == 0).unwrap();
+        tour.rotate_left(at);
+        starts.push(tour);
+    }
+    let mut best: Option<(Vec<usize>, (f64, f64))> = None;
+    for mut tour in starts {
+        let mut cost = ring_cost(m, &tour, bytes);
+        'improve: loop {
+            for len in 1..=3.min(n - 2) {
+                for from in 1..=n - len {
+                    for to in 1..=n - len {
+                        if to == from {
+                            continue;
+                        }
+                        let mut t = tour.clone();
+                        let run: Vec<usize> = t.drain(from..from + len).collect();
+                        t.splice(to..to, run);
+                        let c = ring_cost(m, &t, bytes);
+                        if better(c, cost) {
+                            (tour, cost) = (t, c);
+                            continue 'improve;
+                        }
+                    }
+                }
+            }
+            break;
+        }
+        if best.as_ref().is_none_or(|(_, b)| better(cost, *b)) {
+            best = Some((tour, cost));
+        }
+    }
+    best.expect("at least the rank order").0
+}
+
+/// Parses `PLAIT_RING_ORDER`'s explicit form, `0,2,1,3`: a permutation of 0..n.
+pub fn parse_order(text: &str, n: usize) -> Result<Vec<usize>, String> {
+    let order: Vec<usize> = text
+        .split(',')
+        .map(|s| s.trim().parse::<usize>().map_err(|_| format!("'{}' is not a rank", s.trim())))
+        .collect::<Result<_, _>>()?;
+    let mut seen = vec![false; n];
+    if order.len() != n || order.iter().any(|&r| r >= n || std::mem::replace(&mut seen[r], true)) {
+        return Err(format!("'{text}' is not an order of the {n} ranks 0..{}, each once", n.saturating_sub(1)));
+    }
+    Ok(order)
+}
+
+/// `s` with position `p` run by rank `order[p]`: programs move, peers and blocks are renamed
+/// alike (block `i` of the layout becomes block `order[i]`, so each rank's own block stays its
+/// own). Only for collectives without a root.
+pub fn relabel(s: &Schedule, order: &[usize]) -> Schedule {
+    let n = s.nranks;
+    assert!(!s.collective.rooted() && order.len() == n, "relabel: an order of {n} ranks for a rootless collective");
+    let chunk = |c: ChunkRef| -> ChunkRef {
+        match c.buf {
+            Buf::Scratch => {
+                let (slot, block) = (c.index as usize / n, c.index as usize % n);
+                ChunkRef::scratch(slot as u32, n, order[block] as u32)
+            }
+            // A one-chunk buffer is the rank's own block: it moves with the rank.
+            _ => ChunkRef { index: order[c.index as usize] as u32, ..c },
+        }
+    };
+    let single = |buf: Buf, p: usize| match buf {
+        Buf::Input => s.collective.input_chunks(n, p, 0) == 1,
+        Buf::Output => s.collective.output_chunks(n, p, 0) == 1,
+        Buf::Scratch => false,
+    };
+    let mut ranks = vec![Vec::new(); n];
+    for (p, prog) in s.ranks.iter().enumerate() {
+        let map = |c: ChunkRef| if single(c.buf, p) { c } else { chunk(c) };
+        ranks[order[p]] = prog
+            .iter()
+            .map(|st| {
+                let mut st = st.clone();
+                for op in &mut st.sends {
+                    op.peer = order[op.peer as usize] as u32;
+                    op.src = map(op.src);
+                }
+                for op in &mut st.recvs {
+                    op.peer = order[op.peer as usize] as u32;
+                    op.dst = map(op.dst);
+                    op.reduce_with = op.reduce_with.map(map);
+                }
+                for op in &mut st.locals {
+                    match op {
+                        LocalOp::Copy { src, dst } | LocalOp::Reduce { src, dst } => {
+                            (*src, *dst) = (map(*src), map(*dst));
+                        }
+                    }
+                }
+                st
+            })
+            .collect();
+    }
+    let shown: Vec<String> = order.iter().map(|r| r.to_string()).collect();
+    Schedule { ranks, variant: format!("order {}", shown.join(">")), ..s.clone() }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sched::gen::generate;
+    use crate::sched::verify::verify;
+    use crate::sched::Collective;
+
+    const GBIT: f64 = 1e9 / 8.0;
+
+    /// Every link at `fast` except the ones listed (both directions) at their own rate.
+    fn matrix(n: usize, fast: f64, slow: &[(usize, usize, f64)]) -> LinkMatrix {
+        LinkMatrix::from_fn(n, |i, j| {
+            let bw = slow.iter().find(|&&(a, b, _)| (a, b) == (i, j) || (a, b) == (j, i)).map_or(fast, |s| s.2);
+            Some((1e-3, bw))
+        })
+        .unwrap()
+    }
+
+    fn edges(order: &[usize]) -> Vec<(usize, usize)> {
+        (0..order.len()).map(|p| (order[p], order[(p + 1) % order.len()])).collect()
+    }
+
+    #[test]
+    fn equal_links_keep_the_rank_order() {
+        for n in 1..=12 {
+            let m = matrix(n, GBIT, &[]);
+            assert_eq!(best_ring(&m, 1e6), (0..n).collect::<Vec<_>>(), "n={n}");
+        }
+    }
+
+    #[test]
+    fn a_slow_link_is_left_out_of_the_ring() {
+        for n in [4, 5, 8, 9, 10, 16] {
+            for (a, b) in [(1, 2), (0, n - 1), (2, 3)] {
+                let m = matrix(n, GBIT, &[(a, b, 0.05 * GBIT)]);
+                let order = best_ring(&m, 1e6);
+                assert_eq!(order[0], 0);
+                let e = edges(&order);
+                assert!(!e.contains(&(a, b)) && !e.contains(&(b, a)), "n={n} slow {a}-{b}: {order:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn the_ring_follows_the_fast_direction_of_asymmetric_links() {
+        // 0->1->2->3->0 fast, every other direction slow: the ring must run that way round.
+        let n = 4;
+        let m = LinkMatrix::from_fn(n, |i, j| Some((1e-3, if j == (i + 1) % n { GBIT } else { 0.1 * GBIT }))).unwrap();
+        assert_eq!(best_ring(&m, 1e6), vec![0, 1, 2, 3]);
+        let m = LinkMatrix::from_fn(n, |i, j| Some((1e-3, if i == (j + 1) % n { GBIT } else { 0.1 * GBIT }))).unwrap();
+        assert_eq!(best_ring(&m, 1e6), vec![0, 3, 2, 1]);
+    }
+
+    #[test]
+    fn local_search_finds_the_one_fast_ring_among_slow_links() {
+        // A hidden Hamiltonian cycle of fast links in a graph of slow ones, beyond the exact size.
+        for n in [10, 13, 20] {
+            let hidden: Vec<usize> = (0..n).map(|p| (p * 7 + 3) % n).collect();
+            let fast: Vec<(usize, usize)> = edges(&hidden);
+            let m = LinkMatrix::from_fn(n, |i, j| {
+                Some((1e-4, if fast.contains(&(i, j)) || fast.contains(&(j, i)) { GBIT } else { 0.01 * GBIT }))
+            })
+            .unwrap();
+            let order = best_ring(&m, 1e6);
+            let worst = ring_cost(&m, &order, 1e6).0;
+            assert!(worst < m.seconds(0, 1, 0.0) + 1e6 / (0.5 * GBIT), "n={n}: {order:?} keeps a slow edge");
+        }
+    }
+
+    #[test]
+    fn relabelled_ring_schedules_stay_correct() {
+        for coll in [Collective::AllReduce, Collective::ReduceScatter, Collective::AllGather] {
+            for algo in crate::sched::gen::algorithms(coll) {
+                for n in 2..=7 {
+                    let s = generate(coll, algo, n, 0).unwrap();
+                    let order: Vec<usize> = (0..n).map(|p| (n + 1 - p) % n).collect();
+                    let r = relabel(&s, &order);
+                    verify(&r).unwrap_or_else(|e| panic!("{coll} {algo} n={n} order {order:?}: {e}"));
+                    // rank order[p] talks to order[p+1] where position p talked to p+1
+                    for (p, prog) in s.ranks.iter().enumerate() {
+                        let a: Vec<u32> = prog.iter().flat_map(|st| st.sends.iter().map(|o| order[o.peer as usize] as u32)).collect();
+                        let b: Vec<u32> = r.ranks[order[p]].iter().flat_map(|st| st.sends.iter().map(|o| o.peer)).collect();
+                        assert_eq!(a, b);
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn orders_are_parsed_and_refused_in_words() {
+        assert_eq!(parse_order("0, 2,1,3", 4).unwrap(), vec![0, 2, 1, 3]);
+        assert!(parse_order("0,1,1,3", 4).unwrap_err().contains("each once"));
+        assert!(parse_order("0,1,2", 4).unwrap_err().contains("the 4 ranks"));
+        assert!(parse_order("0,1,x,3", 4).unwrap_err().contains("'x' is not a rank"));
+        assert!(parse_order("0,1,2,4", 4).is_err());
+    }
+}

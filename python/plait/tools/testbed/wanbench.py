@@ -1,0 +1,131 @@
+"""The WAN benchmark: allreduce between sites joined by WAN cables of unequal rates and delays
+(one slow cable among fast ones), plait with its measured links against the rank-order ring and
+gloo, all in the same run on the same testbed.
+
+    sudo python -m plait.tools.testbed.wanbench                    # 4 sites, 64 MiB, the default cables
+    sudo python -m plait.tools.testbed.wanbench --mib 16 --wan "0-1 10ms 1gbit, ..." --json wan.json
+
+Runs, each the slowest rank's median of `--iters` allreduces after one warm-up:
+- plait as it starts by default: it measures every directed link at start-up (`PLAIT_MEASURE`,
+  on because the sites are different hosts), orders its rings by the matrix and picks the
+  algorithm by its cost model over the measured links;
+- plait forced to `ring`, in the measured order;
+- plait forced to `ring` in rank order (`PLAIT_RING_ORDER=rank`): what a ring that does not look
+  at the links does;
+- gloo over the WAN cables (node addresses and host routes, as in the mesh benchmark; gloo's
+  default would take the testbed's LAN, which is not part of the WAN).
+"""
+
+import argparse
+import sys
+import time
+
+from .._jsonout import add_json_option, to_stdout, write_json
+from .._ui import Console, Table
+from . import Testbed, TestbedError, check_can_build, node_addr
+from . import wan as _wan
+from .bench import measure
+
+# Four sites; the cable between 1 and 2 is slow, and it lies on the rank-order ring 0-1-2-3-0.
+DEFAULT_WAN = "0-1 10ms 500mbit, 1-2 25ms 50mbit, 2-3 10ms 500mbit, 0-3 15ms 500mbit, 0-2 20ms 500mbit, 1-3 20ms 500mbit"
+
+
+def bench_wan(spec, *, nodes, nbytes, iters, timeout, gloo=True, name="plaitwan", log=print):
+    _wan.parse_wan(spec)  # a bad spec fails before anything is built
+    out = {"nodes": nodes, "bytes": nbytes, "wan": spec, "runs": []}
+    with Testbed(nodes, wan=spec, name=name, node_addrs=True) as tb:
+        def run(config, env=None, lib="plait", n_iters=iters):
+            log(f"{config} ({n_iters} x {nbytes / 2**20:g} MiB) ...")
+            r = dict(measure(tb, lib, nbytes=nbytes, iters=n_iters, warmup=1, timeout=timeout, env=env), config=config)
+            out["runs"].append(r)
+            return r
+
+        first = run("plait, default (links measured)")
+        out["ring_order"] = first.get("ring_order")
+        out["links"] = first.get("links")
+        run("plait, ring in the measured order", {"PLAIT_ALGO": "allreduce:ring"})
+        run("plait, ring in rank order", {"PLAIT_ALGO": "allreduce:ring", "PLAIT_RING_ORDER": "rank"})
+        if gloo:
+            tb.resolve_hostnames("node")
+            try:
+                run("gloo over the WAN cables", {"MASTER_ADDR": node_addr(0)}, lib="gloo", n_iters=max(1, iters // 2))
+            finally:
+                tb.resolve_hostnames("lan")
+    return out
+
+
+def report(res, console):
+    runs = res["runs"]
+    n, nbytes = res["nodes"], res["bytes"]
+    t_of = {r["config"]: r["t"] for r in runs if r["ok"] and r["t"]}
+    rank_ring = t_of.get("plait, ring in rank order")
+    gloo_t = t_of.get("gloo over the WAN cables")
+    t = Table(title=f"allreduce, float32, {nbytes / 2**20:g} MiB, {n} sites over WAN cables (slowest rank's median)")
+    for c in ("configuration", "algorithm", "time", "busbw Mbit/s", "vs rank-order ring", "vs gloo"):
+        t.add_column(c, justify="left" if c in ("configuration", "algorithm") else "right")
+    for r in runs:
+        if not r["ok"] or not r["t"]:
+            t.add_row(r["config"], "", "[red]FAILED", "", "", "")
+            continue
+        busbw = nbytes / r["t"] * 2 * (n - 1) / n * 8 / 1e6
+        vs_ring = f"{rank_ring / r['t']:.2f} x" if rank_ring else ""
+        vs_gloo = f"{gloo_t / r['t']:.2f} x" if gloo_t else ""
+        algo = r.get("algo") or ""
+        if r["lib"] == "plait" and algo in ("ring", "ring2") and "rank order" not in r["config"]:
+            algo += f" over {'>'.join(map(str, r.get('ring_order') or []))}"
+        t.add_row(r["config"], algo, f"{r['t'] * 1e3:.0f} ms", f"{busbw:.0f}", vs_ring, vs_gloo)
+    console.print(t)
+    links = res.get("links")
+    if links:
+        m = Table(title="links as plait measured them at start-up: Mbit/s (one-way latency ms), from row to column")
+        m.add_column("from \\ to", justify="right")
+        for j in range(n):
+            m.add_column(str(j), justify="right")
+        for i in range(n):
+            cells = []
+            for j in range(n):
+                bw, lat = links["bandwidth_bps"][i][j], links["latency_s"][i][j]
+                cells.append("" if i == j else f"{bw * 8e-6:.0f} ({lat * 1e3:.1f})")
+            m.add_row(str(i), *cells)
+        console.print(m)
+    console.print(f"cables: {res['wan']}", highlight=False)
+    for r in runs:
+        if r["err"]:
+            console.print(f"[red]{r['config']}: {r['err']}", highlight=False)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m plait.tools.testbed.wanbench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--nodes", type=int, default=4)
+    p.add_argument("--wan", default=DEFAULT_WAN, help=f"the cables (testbed --wan syntax); default: {DEFAULT_WAN}")
+    p.add_argument("--mib", type=float, default=64, help="allreduce size in MiB (default 64)")
+    p.add_argument("--iters", type=int, default=3)
+    p.add_argument("--timeout", type=float, default=300, help="seconds per measurement")
+    p.add_argument("--no-gloo", action="store_true", help="plait only")
+    p.add_argument("--name", default="plaitwan")
+    add_json_option(p)
+    args = p.parse_args(argv)
+    console = Console(width=max(130, Console().width), stderr=to_stdout(args.json))
+    why = check_can_build()
+    if why:
+        console.print(f"[red]cannot run the WAN benchmark: {why}")
+        return 2
+    nbytes = int(args.mib * 2**20) // 4 * 4
+    t0 = time.monotonic()
+    try:
+        res = bench_wan(args.wan, nodes=args.nodes, nbytes=nbytes, iters=args.iters, timeout=args.timeout,
+                        gloo=not args.no_gloo, name=args.name, log=lambda m: console.print(f"[dim]{m}", highlight=False))
+    except TestbedError as e:
+        console.print(f"[red]{e}")
+        return 2
+    if not to_stdout(args.json):
+        report(res, console)
+    console.print(f"[dim]{time.monotonic() - t0:.0f} s in all; command: python -m plait.tools.testbed.wanbench "
+                  + " ".join(argv if argv is not None else sys.argv[1:]), highlight=False)
+    if args.json:
+        write_json(args.json, {"command": sys.argv, "result": res})
+    return 0 if all(r["ok"] for r in res["runs"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

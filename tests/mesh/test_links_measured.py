@@ -1,0 +1,43 @@
+"""Links measured at start-up (PLAIT_MEASURE): on four hosts whose cable between nodes 1 and 2 is
+slow, every rank measures that cable's rate near its spec and the others far above it, every rank
+ends with the same matrix and the same ring order, that order leaves the slow cable out, and a ring
+allreduce in it computes the right sum."""
+
+import json
+import sys
+
+import harness
+from plait.tools.testbed import Testbed
+
+
+def _results(res, n):
+    out = []
+    for r in range(n):
+        ev = next((json.loads(x[2:]) for x in res.lines[r] if x.startswith("@@")), None)
+        assert ev is not None and ev["ok"], f"rank {r}: {res.lines[r][-5:]}"
+        out.append(ev)
+    return out
+
+
+def test_the_ring_leaves_out_a_slow_cable_that_every_rank_measured_alike():
+    slow_bps = 50e6
+    with Testbed(4, name="pltestlinks", link_rate="1gbit", lan_rate=None, wan="1-2 1ms 50mbit") as tb:
+        cmd = [sys.executable, "-m", "plait.tools.testbed._worker", "--lib", "plait", "--bytes", str(4 << 20),
+               "--iters", "2", "--warmup", "0", "--timeout", "60"]
+        res = tb.run(cmd, timeout=120, env={"PLAIT_ALGO": "allreduce:ring"}, stream=False)
+    ranks = _results(res, 4)
+    first = ranks[0]
+    assert all(r["links"] == first["links"] for r in ranks), "every rank has the same matrix"
+    assert all(r["ring_order"] == first["ring_order"] for r in ranks), [r["ring_order"] for r in ranks]
+    bw = first["links"]["bandwidth_bps"]
+    for a, b in ((1, 2), (2, 1)):
+        assert 0.5 * slow_bps <= bw[a][b] * 8 <= 1.1 * slow_bps, f"{a}->{b}: {bw[a][b] * 8e-6:.1f} Mbit/s"
+    others = [bw[i][j] for i in range(4) for j in range(4) if i != j and {i, j} != {1, 2}]
+    assert min(others) * 8 > 3 * slow_bps, [round(v * 8e-6) for v in others]
+    harness.note(f"links measured on 4 hosts, cable 1-2 at 50 Mbit/s: 1->2 {bw[1][2] * 8e-6:.1f}, 2->1 "
+                 f"{bw[2][1] * 8e-6:.1f} Mbit/s, the others {min(others) * 8e-6:.0f}-{max(others) * 8e-6:.0f}; "
+                 f"ring order {first['ring_order']}")
+    order = first["ring_order"]
+    edges = {frozenset((order[p], order[(p + 1) % 4])) for p in range(4)}
+    assert frozenset((1, 2)) not in edges, order
+    assert order[0] == 0 and sorted(order) == [0, 1, 2, 3]
