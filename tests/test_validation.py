@@ -281,6 +281,16 @@ def test_properties_and_routes(two):
     assert [r["peer"] for r in routes] == [1] and {"local", "remote", "reason"} <= set(routes[0])
     assert a.algorithm_for("allreduce", 1 << 20) in plait._core.algorithms("allreduce")
     assert "rank 0/2" in repr(a)
+    # On one host the links are not measured, and rings keep the rank order.
+    assert a.link_matrix() is None and a.ring_order() == [0, 1] == b.ring_order()
+    assert routes[0]["rx_bps"] is None
+    # The cost model's price: more bytes cost more, and a forced algorithm is the one priced.
+    small, chosen = a.predict("allreduce", 1 << 10)
+    big, _ = a.predict("allreduce", 64 << 20)
+    assert 0 < small < big and chosen == a.algorithm_for("allreduce", 1 << 10)
+    assert a.predict("allreduce", 1 << 20, algo="rhd")[1] == "rhd"
+    with pytest.raises(plait.ConfigError, match="unknown allreduce algorithm 'nope'"):
+        a.predict("allreduce", 8, algo="nope")
 
 
 def test_prefix_store_and_groups():

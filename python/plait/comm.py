@@ -8,7 +8,7 @@ the communicator's) and `async_op=`; blocking calls return the output array, asy
 from __future__ import annotations
 
 import operator
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -139,6 +139,13 @@ class Communicator:
     def algorithm_for(self, coll: str, nbytes: int, root: int = 0) -> str:
         """The algorithm the selector would use for this collective and size."""
         return self._comm.algorithm_for(coll, nbytes, root)
+
+    def predict(self, coll: str, nbytes: int, root: int = 0, algo: Optional[str] = None) -> Tuple[float, str]:
+        """The cost model's estimate (seconds) of `coll` over `nbytes` with `algo` (the selector's
+        choice when None), and the schedule it priced, e.g. "ring (order 0>2>1>3)": what the
+        selector compares to choose. With measured links (`PLAIT_MEASURE`) each link is priced at
+        its own latency and rate."""
+        return self._comm.predict(coll, nbytes, root, algo)
 
     def routes(self) -> List[Dict[str, Any]]:
         """Per peer: the local and remote address and interface used, why, the start-up RTT, the

@@ -591,6 +591,13 @@ impl PyComm {
         self.comm.algorithm_for(collective(coll)?, nbytes, root).map_err(to_py)
     }
 
+    /// The cost model's estimate in seconds for coll over nbytes (even blocks) with algo (the
+    /// selector's choice when None), and the schedule it priced ("ring (order 0>2>1>3)").
+    #[pyo3(signature = (coll, nbytes, root=0, algo=None))]
+    fn predict(&self, coll: Named, nbytes: usize, root: usize, algo: Option<String>) -> PyResult<(f64, String)> {
+        self.comm.predict(collective(coll)?, nbytes, root, algo.as_deref()).map_err(to_py)
+    }
+
     fn routes<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyDict>>> {
         self.comm
             .routes()

@@ -446,9 +446,20 @@ impl Communicator {
 
     /// The algorithm the selector picks for a call of `nbytes` (per rank buffer).
     pub fn algorithm_for(&self, coll: Collective, nbytes: usize, root: usize) -> Result<String> {
+        Ok(self.selector.choose(coll, self.cfg.size, root, &self.even_blocks(nbytes), None)?.name.clone())
+    }
+
+    /// The cost model's seconds for `coll` over `nbytes` in all (even blocks) with `algo` (the
+    /// selector's choice when None), and the schedule's label: what the selector compares.
+    pub fn predict(&self, coll: Collective, nbytes: usize, root: usize, algo: Option<&str>) -> Result<(f64, String)> {
+        let blocks = self.even_blocks(nbytes);
+        let s = self.selector.choose(coll, self.cfg.size, root, &blocks, algo)?;
+        Ok((self.selector.estimate(&s, &blocks), s.label()))
+    }
+
+    fn even_blocks(&self, nbytes: usize) -> Vec<usize> {
         let n = self.cfg.size;
-        let block_bytes: Vec<usize> = (0..n).map(|i| (i + 1) * nbytes / n - i * nbytes / n).collect();
-        Ok(self.selector.choose(coll, n, root, &block_bytes, None)?.name.clone())
+        (0..n).map(|i| (i + 1) * nbytes / n - i * nbytes / n).collect()
     }
 
     /// The order ring algorithms pass data in: position p is rank `order[p]`, which sends to

@@ -13,7 +13,7 @@
 
 use super::agree::{MemberId, View};
 use super::control::{Control, ControlConfig, Decision, Freeze};
-use crate::comm::{CommConfig, Communicator, GiveUp};
+use crate::comm::{CommConfig, Communicator, GiveUp, Measure};
 use crate::dtype::{DType, ReduceOp};
 use crate::error::{PlaitError, Result};
 use crate::exec::CollRequest;
@@ -356,6 +356,11 @@ impl ElasticComm {
         // A view's mesh is built at once or not at all: start-up stops as soon as the group
         // moves on, and in any case long before an operation's deadline.
         cfg.startup_timeout = Some((self.template.heartbeat_timeout * 10).max(Duration::from_secs(10)));
+        // Measuring the links holds every view change up by n - 1 trains (recovery is a mesh
+        // build of 12-25 ms on loopback): only when asked for, not by default.
+        if cfg.measure == Measure::Auto {
+            cfg.measure = Measure::Never;
+        }
         let control = self.control.clone();
         let epoch = view.epoch;
         cfg.give_up = Some(GiveUp(Arc::new(move || control.moved_past(epoch))));

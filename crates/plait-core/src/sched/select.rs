@@ -150,6 +150,11 @@ impl Selector {
         Ok(s)
     }
 
+    /// The cost model's seconds for `s` with these block sizes, on this selector's links.
+    pub fn estimate(&self, s: &Schedule, block_bytes: &[usize]) -> f64 {
+        estimate(s, block_bytes, &self.model, self.segment_bytes)
+    }
+
     /// Every automatic candidate with its estimated seconds, in [`algorithms`] order.
     #[cfg(test)]
     pub fn candidates(

@@ -1,6 +1,7 @@
 """One rank of a testbed allreduce measurement (used by plait.tools.testbed.bench and the demo's mesh act).
 
     python -m plait.tools.testbed._worker --lib plait|gloo --bytes N --iters K [--warmup W] [--timeout T]
+    python -m plait.tools.testbed._worker --lib plait --op p2p --bytes N ...   # rank 0 -> rank 1
 
 Reads RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; allreduces a float32 buffer of N bytes K times
 (after W warm-up rounds), checks the result exactly, and prints one JSON line:
@@ -37,6 +38,7 @@ def _plait(args, rank, n):
         info = {"algo": comm.algorithm_for("allreduce", args.bytes), "routes": _routes(comm),
                 "topology": comm._comm.topology() if hasattr(comm._comm, "topology") else None,
                 "ring_order": comm.ring_order(), "links": comm.link_matrix()}
+        info["predicted_s"], info["schedule"] = comm.predict("allreduce", args.bytes)
         for _ in range(args.warmup):
             comm.allreduce(x, out=out)
         times, ok = [], True
@@ -52,6 +54,37 @@ def _plait(args, rank, n):
         comm.close()
         if rank == 0:
             time.sleep(0.3)  # rank 0 serves the store: let the others finish their last calls
+
+
+def _plait_p2p(args, rank, n):
+    """Rank 0 sends `--bytes` to rank 1, `--iters` times after `--warmup`; each time is the
+    receiver's, from a barrier to the last byte (rank 1's times are the ones that count)."""
+    import plait
+    from plait.tools.doctor import DoctorStore
+
+    store = DoctorStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), rank == 0, args.timeout)
+    comm = plait.Communicator(store, rank, n, timeout=args.timeout)
+    try:
+        buf = np.full(args.bytes, 7 if rank == 0 else 0, np.uint8)
+        times, ok = [], True
+        for i in range(args.warmup + args.iters):
+            comm.barrier()
+            t0 = time.perf_counter()
+            if rank == 0:
+                comm.send(buf, 1)
+            elif rank == 1:
+                buf[:] = 0
+                comm.recv(buf, 0)
+                ok = ok and bool(buf[0] == 7 and buf[-1] == 7)
+            if i >= args.warmup:
+                times.append(time.perf_counter() - t0)
+        comm.barrier()
+        return {"times": times, "ok": ok, "algo": "send/recv", "routes": _routes(comm), "topology": None,
+                "links": comm.link_matrix(), "streams": comm.routes()[0]["streams"] if comm.routes() else None}
+    finally:
+        comm.close()
+        if rank == 0:
+            time.sleep(0.3)
 
 
 def _routes(comm):
@@ -93,10 +126,15 @@ def main(argv=None):
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--timeout", type=float, default=120.0)
+    p.add_argument("--op", choices=("allreduce", "p2p"), default="allreduce",
+                   help="p2p: rank 0 sends --bytes to rank 1 (plait only)")
     args = p.parse_args(argv)
     rank, n = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     try:
-        res = (_plait if args.lib == "plait" else _gloo)(args, rank, n)
+        if args.op == "p2p":
+            res = _plait_p2p(args, rank, n)
+        else:
+            res = (_plait if args.lib == "plait" else _gloo)(args, rank, n)
         emit(ev="result", lib=args.lib, rank=rank, bytes=args.bytes, err=None, **res)
         return 0 if res["ok"] else 1
     except Exception as e:

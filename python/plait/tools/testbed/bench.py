@@ -30,12 +30,13 @@ from . import Testbed, TestbedError, check_can_build, format_rate, node_addr, pa
 _NOISE = ("hostname of the client socket cannot be retrieved",)
 
 
-def measure(tb, lib, *, nbytes, iters, warmup, timeout, env=None, console=None):
+def measure(tb, lib, *, nbytes, iters, warmup, timeout, env=None, console=None, op="allreduce"):
     """Runs the allreduce worker on every node; returns {"t", "ok", "err", "algo", "topology",
-    "routes", "times", "ring_order", "links"} with t = the slowest rank's median time in seconds
-    (ring_order and links as rank 0 of plait saw them)."""
+    "routes", "times", "ring_order", "links", "predicted_s", "schedule"} with t = the slowest rank's
+    median time in seconds (the rest as rank 0 of plait saw them: the cost model's prediction for
+    the schedule it ran)."""
     cmd = [sys.executable, "-m", "plait.tools.testbed._worker", "--lib", lib, "--bytes", str(nbytes), "--iters",
-           str(iters), "--warmup", str(warmup), "--timeout", str(timeout)]
+           str(iters), "--warmup", str(warmup), "--timeout", str(timeout), "--op", op]
     res = tb.run(cmd, timeout=timeout + 30, env=env, stream=False, grace=5.0)
     per_rank, errs = [], []
     for r in range(tb.n):
@@ -60,7 +61,7 @@ def measure(tb, lib, *, nbytes, iters, warmup, timeout, env=None, console=None):
     return {"lib": lib, "t": t, "ok": ok, "err": "; ".join(errs) or None, "algo": first.get("algo"),
             "topology": first.get("topology"), "routes": {e["rank"]: e.get("routes") for e in per_rank},
             "times": {e["rank"]: e["times"] for e in per_rank}, "ring_order": first.get("ring_order"),
-            "links": first.get("links")}
+            "links": first.get("links"), "predicted_s": first.get("predicted_s"), "schedule": first.get("schedule")}
 
 
 def bench_world(n, *, link_rate, lan_rate, nbytes, iters, timeout, gloo_default=True, gloo_workaround=True,

@@ -4,6 +4,7 @@ gloo, all in the same run on the same testbed.
 
     sudo python -m plait.tools.testbed.wanbench                    # 4 sites, 64 MiB, the default cables
     sudo python -m plait.tools.testbed.wanbench --mib 16 --wan "0-1 10ms 1gbit, ..." --json wan.json
+    sudo python -m plait.tools.testbed.wanbench --pipe              # 256 MiB over one 100 ms, 1 Gbit/s cable
 
 Runs, each the slowest rank's median of `--iters` allreduces after one warm-up:
 - plait as it starts by default: it measures every directed link at start-up (`PLAIT_MEASURE`,
@@ -25,6 +26,9 @@ from .._ui import Console, Table
 from . import Testbed, TestbedError, check_can_build, node_addr
 from . import wan as _wan
 from .bench import measure
+
+# One long fat pipe: 100 ms round trip at 1 Gbit/s (a bandwidth-delay product of 12.5 MB).
+PIPE_WAN = "0-1 50ms 1gbit"
 
 # Four sites; the cable between 1 and 2 is slow, and it lies on the rank-order ring 0-1-2-3-0.
 DEFAULT_WAN = "0-1 10ms 500mbit, 1-2 25ms 50mbit, 2-3 10ms 500mbit, 0-3 15ms 500mbit, 0-2 20ms 500mbit, 1-3 20ms 500mbit"
@@ -54,6 +58,38 @@ def bench_wan(spec, *, nodes, nbytes, iters, timeout, gloo=True, name="plaitwan"
     return out
 
 
+def bench_pipe(spec, *, nbytes, iters, timeout, streams=(1, 2, 4), name="plaitwan", log=print):
+    """Rank 0 sends nbytes to rank 1 over one WAN cable, with each number of TCP streams."""
+    out = {"nodes": 2, "bytes": nbytes, "wan": spec, "runs": []}
+    (a, b), (there, back) = next(iter(_wan.parse_wan(spec).items()))
+    out["rate_bps"] = there.rate
+    with Testbed(2, wan=spec, name=name) as tb:
+        for k in streams:
+            log(f"plait send/recv, {k} stream(s) ({iters} x {nbytes / 2**20:g} MiB) ...")
+            r = measure(tb, "plait", nbytes=nbytes, iters=iters, warmup=1, timeout=timeout, op="p2p",
+                        env={"PLAIT_STREAMS": str(k)})
+            out["runs"].append(dict(r, config=f"plait send/recv, PLAIT_STREAMS={k}", streams=k))
+    return out
+
+
+def report_pipe(res, console):
+    rate = res["rate_bps"]
+    possible = _wan.goodput(rate) if rate else None
+    t = Table(title=f"one transfer of {res['bytes'] / 2**20:g} MiB over one WAN cable ({res['wan']}), receiver's median")
+    for c in ("configuration", "time", "Mbit/s", "of the cable's TCP goodput"):
+        t.add_column(c, justify="left" if c == "configuration" else "right")
+    for r in res["runs"]:
+        if not r["ok"] or not r["t"]:
+            t.add_row(r["config"], "[red]FAILED", "", "")
+            continue
+        bps = res["bytes"] * 8 / r["t"]
+        t.add_row(r["config"], f"{r['t'] * 1e3:.0f} ms", f"{bps / 1e6:.0f}", f"{bps / possible:.2f}" if possible else "")
+    console.print(t)
+    for r in res["runs"]:
+        if r["err"]:
+            console.print(f"[red]{r['config']}: {r['err']}", highlight=False)
+
+
 def report(res, console):
     runs = res["runs"]
     n, nbytes = res["nodes"], res["bytes"]
@@ -61,19 +97,18 @@ def report(res, console):
     rank_ring = t_of.get("plait, ring in rank order")
     gloo_t = t_of.get("gloo over the WAN cables")
     t = Table(title=f"allreduce, float32, {nbytes / 2**20:g} MiB, {n} sites over WAN cables (slowest rank's median)")
-    for c in ("configuration", "algorithm", "time", "busbw Mbit/s", "vs rank-order ring", "vs gloo"):
+    for c in ("configuration", "algorithm", "time", "predicted", "busbw Mbit/s", "vs rank-order ring", "vs gloo"):
         t.add_column(c, justify="left" if c in ("configuration", "algorithm") else "right")
     for r in runs:
         if not r["ok"] or not r["t"]:
-            t.add_row(r["config"], "", "[red]FAILED", "", "", "")
+            t.add_row(r["config"], "", "[red]FAILED", "", "", "", "")
             continue
         busbw = nbytes / r["t"] * 2 * (n - 1) / n * 8 / 1e6
         vs_ring = f"{rank_ring / r['t']:.2f} x" if rank_ring else ""
         vs_gloo = f"{gloo_t / r['t']:.2f} x" if gloo_t else ""
-        algo = r.get("algo") or ""
-        if r["lib"] == "plait" and algo in ("ring", "ring2") and "rank order" not in r["config"]:
-            algo += f" over {'>'.join(map(str, r.get('ring_order') or []))}"
-        t.add_row(r["config"], algo, f"{r['t'] * 1e3:.0f} ms", f"{busbw:.0f}", vs_ring, vs_gloo)
+        algo = r.get("schedule") or r.get("algo") or ""
+        predicted = f"{r['predicted_s'] * 1e3:.0f} ms" if r.get("predicted_s") else ""
+        t.add_row(r["config"], algo, f"{r['t'] * 1e3:.0f} ms", predicted, f"{busbw:.0f}", vs_ring, vs_gloo)
     console.print(t)
     links = res.get("links")
     if links:
@@ -103,8 +138,16 @@ def main(argv=None):
     p.add_argument("--timeout", type=float, default=300, help="seconds per measurement")
     p.add_argument("--no-gloo", action="store_true", help="plait only")
     p.add_argument("--name", default="plaitwan")
+    p.add_argument("--pipe", action="store_true",
+                   help=f"instead: one transfer (default 256 MiB) over one long fat cable ({PIPE_WAN} unless --wan "
+                        "names another), with 1, 2 and 4 TCP streams")
     add_json_option(p)
     args = p.parse_args(argv)
+    if args.pipe:
+        if args.wan == DEFAULT_WAN:
+            args.wan = PIPE_WAN
+        if args.mib == 64 and "--mib" not in (argv if argv is not None else sys.argv[1:]):
+            args.mib = 256
     console = Console(width=max(130, Console().width), stderr=to_stdout(args.json))
     why = check_can_build()
     if why:
@@ -112,14 +155,18 @@ def main(argv=None):
         return 2
     nbytes = int(args.mib * 2**20) // 4 * 4
     t0 = time.monotonic()
+    log = lambda m: console.print(f"[dim]{m}", highlight=False)  # noqa: E731
     try:
-        res = bench_wan(args.wan, nodes=args.nodes, nbytes=nbytes, iters=args.iters, timeout=args.timeout,
-                        gloo=not args.no_gloo, name=args.name, log=lambda m: console.print(f"[dim]{m}", highlight=False))
+        if args.pipe:
+            res = bench_pipe(args.wan, nbytes=nbytes, iters=args.iters, timeout=args.timeout, name=args.name, log=log)
+        else:
+            res = bench_wan(args.wan, nodes=args.nodes, nbytes=nbytes, iters=args.iters, timeout=args.timeout,
+                            gloo=not args.no_gloo, name=args.name, log=log)
     except TestbedError as e:
         console.print(f"[red]{e}")
         return 2
     if not to_stdout(args.json):
-        report(res, console)
+        (report_pipe if args.pipe else report)(res, console)
     console.print(f"[dim]{time.monotonic() - t0:.0f} s in all; command: python -m plait.tools.testbed.wanbench "
                   + " ".join(argv if argv is not None else sys.argv[1:]), highlight=False)
     if args.json:
