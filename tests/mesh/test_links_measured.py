@@ -41,3 +41,21 @@ def test_the_ring_leaves_out_a_slow_cable_that_every_rank_measured_alike():
     edges = {frozenset((order[p], order[(p + 1) % 4])) for p in range(4)}
     assert frozenset((1, 2)) not in edges, order
     assert order[0] == 0 and sorted(order) == [0, 1, 2, 3]
+
+
+def test_the_wan_benchmark_runs_and_reports_every_configuration(tmp_path):
+    from plait.tools.testbed import wanbench
+
+    out = tmp_path / "wan.json"
+    spec = "0-1 2ms 200mbit, 1-2 2ms 20mbit, 2-3 2ms 200mbit, 0-3 2ms 200mbit, 0-2 2ms 200mbit, 1-3 2ms 200mbit"
+    rc = wanbench.main(["--mib", "1", "--iters", "1", "--no-gloo", "--wan", spec, "--name", "pltestwanb",
+                        "--json", str(out)])
+    res = json.loads(out.read_text())["result"]
+    assert rc == 0, res
+    configs = [r["config"] for r in res["runs"]]
+    assert configs == ["plait, default (links measured)", "plait, ring in the measured order",
+                       "plait, ring in rank order"], configs
+    assert all(r["ok"] and r["t"] > 0 and r["predicted_s"] > 0 for r in res["runs"]), res["runs"]
+    assert res["runs"][2]["schedule"] == "ring" and res["runs"][1]["schedule"].startswith("ring (order ")
+    order = res["ring_order"]
+    assert frozenset((1, 2)) not in {frozenset((order[p], order[(p + 1) % 4])) for p in range(4)}, order
