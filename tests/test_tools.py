@@ -58,6 +58,30 @@ def test_doctor_json_to_stdout_or_a_file_and_no_direct_link_warning_on_one_host(
     assert json.loads(path.read_text())["world_size"] == 2
 
 
+def test_topology_measures_links_predicts_and_benches_every_allreduce_algorithm(tmp_path):
+    """`plait topology --local 3 --bench`: every rank measures its links (PLAIT_MEASURE=1 here,
+    though they share a host), and rank 0 reports the matrix, the ring order and, for each size
+    and allreduce algorithm, the cost model's prediction next to the slowest rank's median."""
+    proc = _plait(["topology", "--local", "3", "--bench", "--sizes", "4K,256K", "--iters", "2", "--json", "-"])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rep = json.loads(proc.stdout)
+    assert rep["world_size"] == 3 and sorted(rep["ring_order"]) == [0, 1, 2] and rep["ring_order"][0] == 0
+    bw = rep["links"]["bandwidth_bps"]
+    assert all((bw[i][j] is None) == (i == j) for i in range(3) for j in range(3)), bw
+    assert all(bw[i][j] > 1e6 for i in range(3) for j in range(3) if i != j), bw
+    import plait
+
+    algos = plait._core.algorithms("allreduce")
+    assert [(r["bytes"], r["algorithm"]) for r in rep["rows"]] == [(b, a) for b in (4096, 262144) for a in algos]
+    assert all(r["predicted_s"] > 0 and r["measured_s"] > 0 for r in rep["rows"]), rep["rows"]
+    assert sum(r["chosen"] for r in rep["rows"]) == 2
+    proc = _plait(["topology", "--local", "2", "--sizes", "1M"], no_rich=tmp_path / "norich")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "ring order 0 > 1" in proc.stdout and "predicted" in proc.stdout and "measured / predicted" not in proc.stdout
+    proc = _plait(["topology", "--sizes", "1M"], timeout=60)
+    assert proc.returncode == 2 and "RANK" in proc.stderr and "--local 3" in proc.stderr, proc.stderr
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the testbed is Linux-only")
 def test_testbed_status_json_to_stdout_or_a_file(tmp_path):
     proc = _plait(["testbed", "status", "--json", "-"], timeout=60)

@@ -412,6 +412,13 @@ def main(argv=None):
     from .doctor import add_arguments
 
     add_arguments(doctor)
+    topo = sub.add_parser("topology", help="the links as plait measures them, its ring order, and the cost model's "
+                          "predictions (with --bench, next to measured times)",
+                          description="Run once per rank like the job (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set), "
+                          "e.g. `plait testbed run -- plait topology --bench`, or `plait topology --local 3`.")
+    from .topology import add_arguments as topology_arguments
+
+    topology_arguments(topo)
     bench = sub.add_parser("bench", help="nccl-tests-style sweep, plait next to other backends in one run",
                            description="Spawns --nproc local ranks on loopback (default 2), or, under torchrun or "
                            "`plait testbed run`, measures the real links. Example: plait bench --backend plait,gloo "
@@ -464,6 +471,10 @@ def main(argv=None):
         from .doctor import main as doctor_main
 
         return doctor_main(args)
+    if args.command == "topology":
+        from .topology import main as topology_main
+
+        return topology_main(args)
     if args.command == "bench":
         from .bench import check_args, run as bench_run
 

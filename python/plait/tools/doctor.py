@@ -331,7 +331,7 @@ def _status(rank, msg, quiet):
         print(msg, file=sys.stderr, flush=True)
 
 
-def _open_store(rank, n, master_addr, master_port, timeout):
+def open_rank_store(rank, n, master_addr, master_port, timeout):
     """torch's TCPStore wherever torch is installed (under torchrun: the agent's own store on
     MASTER_PORT); the built-in one only for `--local` runs, which pick their own port, and where
     torch is absent."""
@@ -348,7 +348,7 @@ def run_rank(rank, n, master_addr, master_port, *, timeout=30.0, budget=0.25, ba
     stdout, instead of the tables). Returns the exit status."""
     t_start = time.monotonic()
     try:
-        raw = _open_store(rank, n, master_addr, master_port, timeout)
+        raw = open_rank_store(rank, n, master_addr, master_port, timeout)
     except Exception as e:
         what = "serve" if rank == 0 else "reach"
         print(f"plait doctor: rank {rank} cannot {what} the store at {master_addr}:{master_port}: {e}\n"
@@ -760,6 +760,13 @@ def print_report(rep, console=None):
 # -- entry points ----------------------------------------------------------------------------------------
 def run_local(n, args_list, timeout):
     """`--local n`: n ranks on this machine over loopback; rank 0's output is ours."""
+    return run_local_command("doctor", n, args_list, timeout)
+
+
+def run_local_command(command, n, args_list, timeout):
+    """`plait COMMAND ARGS` as n ranks on this machine over loopback (RANK, WORLD_SIZE,
+    MASTER_ADDR, MASTER_PORT set); rank 0's output is ours, the others' errors are shown if they
+    fail. Returns rank 0's exit status."""
     port = _free_port()
     procs = []
     logs = []
@@ -771,7 +778,7 @@ def run_local(n, args_list, timeout):
                        PLAIT_DOCTOR_STORE="builtin")
             log = tempfile.TemporaryFile()
             logs.append(log)
-            procs.append(subprocess.Popen([sys.executable, "-m", "plait.tools.cli", "doctor"] + args_list, env=env,
+            procs.append(subprocess.Popen([sys.executable, "-m", "plait.tools.cli", command] + args_list, env=env,
                                           stdout=None if r == 0 else subprocess.DEVNULL,
                                           stderr=None if r == 0 else log, **popen_kwargs()))
         deadline = time.monotonic() + timeout
@@ -779,7 +786,7 @@ def run_local(n, args_list, timeout):
             try:
                 p.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                print(f"plait doctor: ranks still running after {timeout:g} s; killing them", file=sys.stderr)
+                print(f"plait {command}: ranks still running after {timeout:g} s; killing them", file=sys.stderr)
                 break
     finally:
         stop_all(procs)
@@ -787,7 +794,7 @@ def run_local(n, args_list, timeout):
         if r and p.returncode not in (0, 1):
             log.seek(0)
             tail = log.read().decode(errors="replace").strip().splitlines()[-10:]
-            print(f"plait doctor: rank {r} exited with status {p.returncode}", file=sys.stderr)
+            print(f"plait {command}: rank {r} exited with status {p.returncode}", file=sys.stderr)
             for line in tail:
                 print(f"  {line}", file=sys.stderr)
     return procs[0].returncode if procs[0].returncode is not None else 1
