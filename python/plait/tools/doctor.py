@@ -800,6 +800,27 @@ def run_local_command(command, n, args_list, timeout):
     return procs[0].returncode if procs[0].returncode is not None else 1
 
 
+def job_env(command):
+    """(rank, world size, MASTER_ADDR, MASTER_PORT) from the environment a launcher sets, or None
+    after saying on stderr what is missing or wrong (`plait COMMAND` then exits 2)."""
+    env = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    missing = [k for k, v in env.items() if not v]
+    if missing:
+        print(f"plait {command}: {', '.join(missing)} not set. Run it like the job: under torchrun, `plait testbed run "
+              f"-- plait {command}`, or with RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set on every machine; "
+              f"or `plait {command} --local 3` for 3 ranks on this machine.", file=sys.stderr)
+        return None
+    try:
+        rank, n, port = int(env["RANK"]), int(env["WORLD_SIZE"]), int(env["MASTER_PORT"])
+    except ValueError:
+        print(f"plait {command}: RANK, WORLD_SIZE and MASTER_PORT must be integers", file=sys.stderr)
+        return None
+    if not 0 <= rank < n:
+        print(f"plait {command}: RANK={rank} is not in [0, WORLD_SIZE={n})", file=sys.stderr)
+        return None
+    return rank, n, env["MASTER_ADDR"], port
+
+
 def add_arguments(p):
     p.add_argument("--local", type=int, metavar="N", help="start N ranks on this machine (loopback) instead of "
                    "reading RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT")
@@ -819,23 +840,12 @@ def main(args):
         rest = (["--json", args.json] if args.json else []) + ["--timeout", str(args.timeout), "--budget", str(args.budget)] \
             + (["--no-bandwidth"] if args.no_bandwidth else [])
         return run_local(args.local, rest, args.timeout * 3 + 30)
-    env = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    missing = [k for k, v in env.items() if not v]
-    if missing:
-        print(f"plait doctor: {', '.join(missing)} not set. Run it like the job: under torchrun, `plait testbed run "
-              "-- plait doctor`, or with RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set on every machine; "
-              "or `plait doctor --local 3` for 3 ranks on this machine.", file=sys.stderr)
+    job = job_env("doctor")
+    if job is None:
         return 2
+    rank, n, master_addr, port = job
     try:
-        rank, n, port = int(env["RANK"]), int(env["WORLD_SIZE"]), int(env["MASTER_PORT"])
-    except ValueError:
-        print("plait doctor: RANK, WORLD_SIZE and MASTER_PORT must be integers", file=sys.stderr)
-        return 2
-    if not 0 <= rank < n:
-        print(f"plait doctor: RANK={rank} is not in [0, WORLD_SIZE={n})", file=sys.stderr)
-        return 2
-    try:
-        return run_rank(rank, n, env["MASTER_ADDR"], port, timeout=args.timeout, budget=args.budget,
+        return run_rank(rank, n, master_addr, port, timeout=args.timeout, budget=args.budget,
                         bandwidth=not args.no_bandwidth, json_path=args.json)
     except KeyboardInterrupt:
         return 130

@@ -214,20 +214,14 @@ def main(args):
             + (["--bench"] if args.bench else []) + (["--json", args.json] if args.json else []) \
             + (["--plot", args.plot] if args.plot else [])
         return run_local_command("topology", args.local, rest, args.timeout * 3 + 30)
-    env = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    missing = [k for k, v in env.items() if not v]
-    if missing:
-        print(f"plait topology: {', '.join(missing)} not set. Run it like the job: under torchrun, `plait testbed run "
-              "-- plait topology`, or with RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set on every machine; "
-              "or `plait topology --local 3` for 3 ranks on this machine.", file=sys.stderr)
+    from .doctor import job_env
+
+    job = job_env("topology")
+    if job is None:
         return 2
+    rank, n, master_addr, port = job
     try:
-        rank, n, port = int(env["RANK"]), int(env["WORLD_SIZE"]), int(env["MASTER_PORT"])
-    except ValueError:
-        print("plait topology: RANK, WORLD_SIZE and MASTER_PORT must be integers", file=sys.stderr)
-        return 2
-    try:
-        return run_rank(rank, n, env["MASTER_ADDR"], port, sizes=sizes, bench=args.bench, iters=args.iters,
+        return run_rank(rank, n, master_addr, port, sizes=sizes, bench=args.bench, iters=args.iters,
                         timeout=args.timeout, json_path=args.json, plot_path=args.plot)
     except KeyboardInterrupt:
         return 130
