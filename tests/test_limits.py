@@ -130,6 +130,13 @@ def test_link_settings_are_refused_in_words(monkeypatch, name, value, said):
     assert isinstance(err, plait.ConfigError), err
 
 
+def test_a_ring_order_for_another_world_size_does_not_break_what_reads_the_settings(monkeypatch):
+    """The list is checked against the world it is used in, not when the settings are read (the
+    torch backend, the witness and elastic mode read them with no world yet)."""
+    monkeypatch.setenv("PLAIT_RING_ORDER", "0,2,1,3")
+    plait._core.env_config()
+
+
 @pytest.mark.parametrize("name,value", [(n, v) for n, vs in CORE_SETTINGS for v in vs])
 def test_core_settings(monkeypatch, name, value):
     monkeypatch.setenv(name, value)

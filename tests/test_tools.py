@@ -66,7 +66,7 @@ def test_topology_measures_links_predicts_and_benches_every_allreduce_algorithm(
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rep = json.loads(proc.stdout)
     assert rep["world_size"] == 3 and sorted(rep["ring_order"]) == [0, 1, 2] and rep["ring_order"][0] == 0
-    bw = rep["links"]["bandwidth_bps"]
+    bw = rep["links"]["bytes_per_s"]
     assert all((bw[i][j] is None) == (i == j) for i in range(3) for j in range(3)), bw
     assert all(bw[i][j] > 1e6 for i in range(3) for j in range(3) if i != j), bw
     import plait

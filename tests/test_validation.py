@@ -283,7 +283,7 @@ def test_properties_and_routes(two):
     assert "rank 0/2" in repr(a)
     # On one host the links are not measured, and rings keep the rank order.
     assert a.link_matrix() is None and a.ring_order() == [0, 1] == b.ring_order()
-    assert routes[0]["rx_bps"] is None
+    assert routes[0]["rx_bytes_per_s"] is None
     # The cost model's price: more bytes cost more, and a forced algorithm is the one priced.
     small, chosen = a.predict("allreduce", 1 << 10)
     big, _ = a.predict("allreduce", 64 << 20)

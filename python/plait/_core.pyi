@@ -34,7 +34,7 @@ class RouteInfo(TypedDict):
     same_host: bool
     rtt_us: Optional[float]
     streams: int
-    rx_bps: Optional[float]  # bytes/s from the peer to this rank, measured at start-up (PLAIT_MEASURE)
+    rx_bytes_per_s: Optional[float]  # bytes/s from the peer to this rank, measured at start-up (PLAIT_MEASURE)
 
 class InterfaceInfo(TypedDict):
     name: str

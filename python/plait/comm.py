@@ -149,7 +149,7 @@ class Communicator:
 
     def routes(self) -> List[Dict[str, Any]]:
         """Per peer: the local and remote address and interface used, why, the start-up RTT, the
-        number of TCP streams (`PLAIT_STREAMS`) and the rate measured from that peer (`rx_bps`,
+        number of TCP streams (`PLAIT_STREAMS`) and the rate measured from that peer (`rx_bytes_per_s`,
         bytes/s; None unless the links were measured, `PLAIT_MEASURE`)."""
         return self._comm.routes()
 
@@ -160,12 +160,12 @@ class Communicator:
         return self._comm.ring_order()
 
     def link_matrix(self) -> Optional[Dict[str, List[List[Optional[float]]]]]:
-        """Every directed link as measured at start-up: `{"latency_s": m, "bandwidth_bps": m}`
+        """Every directed link as measured at start-up: `{"latency_s": m, "bytes_per_s": m}`
         with `m[i][j]` for the link from rank i to rank j (bytes per second; latency is half the
         round trip), the same on every rank; None when the links were not measured
-        (`PLAIT_MEASURE`: by default only when some ranks are on other hosts)."""
+        (`PLAIT_MEASURE`: by default only when every rank has a host of its own)."""
         m = self._comm.link_matrix()
-        return None if m is None else {"latency_s": m[0], "bandwidth_bps": m[1]}
+        return None if m is None else {"latency_s": m[0], "bytes_per_s": m[1]}
 
     def topology(self) -> str:
         """"full_mesh", "shared", "partial_mesh" or "single": how the ranks are wired (all agree)."""

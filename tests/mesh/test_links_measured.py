@@ -29,7 +29,7 @@ def test_the_ring_leaves_out_a_slow_cable_that_every_rank_measured_alike():
     first = ranks[0]
     assert all(r["links"] == first["links"] for r in ranks), "every rank has the same matrix"
     assert all(r["ring_order"] == first["ring_order"] for r in ranks), [r["ring_order"] for r in ranks]
-    bw = first["links"]["bandwidth_bps"]
+    bw = first["links"]["bytes_per_s"]
     for a, b in ((1, 2), (2, 1)):
         assert 0.5 * slow_bps <= bw[a][b] * 8 <= 1.1 * slow_bps, f"{a}->{b}: {bw[a][b] * 8e-6:.1f} Mbit/s"
     others = [bw[i][j] for i in range(4) for j in range(4) if i != j and {i, j} != {1, 2}]

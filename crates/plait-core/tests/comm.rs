@@ -518,3 +518,34 @@ fn ranks_given_different_ring_orders_all_fail_naming_their_orders_instead_of_mix
     let shown = format!("{out:?}");
     assert!(shown.contains("ring (order 0>2>1)") && shown.contains("elements, ring)"), "{shown}");
 }
+
+#[test]
+fn ranks_that_would_measure_differently_are_refused_at_once_naming_the_setting() {
+    let store = Arc::new(MemStore::new());
+    let handles: Vec<_> = (0..2)
+        .map(|r| {
+            let store = store.clone();
+            std::thread::spawn(move || {
+                let mut cfg = CommConfig::from_env(r, 2).unwrap();
+                cfg.timeout = Duration::from_secs(30);
+                cfg.measure = if r == 0 { Measure::Always } else { Measure::Never };
+                let t0 = Instant::now();
+                let e = Communicator::new(&*store, cfg).err().expect("refused").to_string();
+                (e, t0.elapsed())
+            })
+        })
+        .collect();
+    for h in handles {
+        let (e, took) = h.join().unwrap();
+        assert!(e.contains("PLAIT_MEASURE") && e.contains("set it the same on every rank"), "{e}");
+        assert!(took < Duration::from_secs(10), "refused after {took:?}, not at the deadline");
+    }
+}
+
+#[test]
+fn a_ring_order_that_is_not_one_of_the_worlds_ranks_is_refused_when_the_size_is_known() {
+    let mut cfg = CommConfig::from_env(0, 3).unwrap();
+    cfg.ring_order = RingOrder::Given(vec![0, 2, 1, 3]);
+    let e = Communicator::new(&MemStore::new(), cfg).err().expect("refused").to_string();
+    assert!(e.contains("PLAIT_RING_ORDER") && e.contains("the 3 ranks"), "{e}");
+}

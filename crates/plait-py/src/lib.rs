@@ -612,7 +612,7 @@ impl PyComm {
                 d.set_item("same_host", r.same_host)?;
                 d.set_item("rtt_us", r.rtt_us)?;
                 d.set_item("streams", r.streams)?;
-                d.set_item("rx_bps", r.rx_bps)?;
+                d.set_item("rx_bytes_per_s", r.rx_bytes_per_s)?;
                 Ok(d)
             })
             .collect()

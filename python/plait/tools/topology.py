@@ -83,7 +83,7 @@ def print_report(rep, console=None):
         for j in range(n):
             t.add_column(str(j), justify="right")
         for i in range(n):
-            t.add_row(str(i), *("" if i == j else f"{links['bandwidth_bps'][i][j] * 8e-6:.0f} "
+            t.add_row(str(i), *("" if i == j else f"{links['bytes_per_s'][i][j] * 8e-6:.0f} "
                                 f"({links['latency_s'][i][j] * 1e3:.2f})" for j in range(n)))
         console.print(t)
     bench = any(r["measured_s"] is not None for r in rep["rows"])
@@ -122,7 +122,7 @@ def plot(rep, path):
     pos = [(math.cos(2 * math.pi * i / n + math.pi / 2), math.sin(2 * math.pi * i / n + math.pi / 2)) for i in range(n)]
     fig, ax = plt.subplots(figsize=(6, 6))
     ring = {(order[p], order[(p + 1) % n]) for p in range(n)}
-    top = max((links["bandwidth_bps"][i][j] for i in range(n) for j in range(n) if i != j), default=1) if links else 1
+    top = max((links["bytes_per_s"][i][j] for i in range(n) for j in range(n) if i != j), default=1) if links else 1
     for i in range(n):
         for j in range(n):
             if i == j:
@@ -132,7 +132,7 @@ def plot(rep, path):
             dx, dy = x1 - x0, y1 - y0
             norm = math.hypot(dx, dy) or 1
             ox, oy = -dy / norm * 0.04, dx / norm * 0.04
-            bw = links["bandwidth_bps"][i][j] if links else top
+            bw = links["bytes_per_s"][i][j] if links else top
             on_ring = (i, j) in ring
             ax.annotate("", xy=(x1 * 0.88 + ox, y1 * 0.88 + oy), xytext=(x0 * 0.88 + ox, y0 * 0.88 + oy),
                         arrowprops=dict(arrowstyle="-|>", lw=0.5 + 4.5 * bw / top,

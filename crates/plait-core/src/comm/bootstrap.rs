@@ -5,7 +5,7 @@
 //! has one deadline, the configuration's timeout from the start. Elastic mode calls `bootstrap`
 //! again for each new member set.
 
-use super::config::{CommConfig, MAX_STREAMS};
+use super::config::{CommConfig, Measure, MAX_STREAMS};
 use super::measure;
 use super::topology::{self, LinkRecord, RouteFile, Topology};
 use crate::dtype::DType;
@@ -49,6 +49,10 @@ struct PeerInfo {
     /// only if both ends say so.
     #[serde(default)]
     kept: Vec<usize>,
+    /// `PLAIT_MEASURE` on this rank: ranks that would decide differently are refused at once
+    /// (the ones measuring would wait for the others' probes until the deadline).
+    #[serde(default)]
+    measure: String,
 }
 
 /// What a mesh grown from the last epoch's takes over (elastic mode: members added at the end,
@@ -159,6 +163,7 @@ pub(crate) fn bootstrap_from(store: &dyn Store, cfg: &CommConfig, kept: Option<K
         world: size,
         key: key_to_hex(&plan.auth.public_key()),
         kept: kept.as_ref().map(|k| (0..k.session.size).filter(|&p| p != rank && k.session.links[p].is_some()).collect()).unwrap_or_default(),
+        measure: cfg.measure.name().to_string(),
     };
     if let Some(k) = &kept {
         // Before the record goes out: no peer sends this epoch's frames before it has it.
@@ -199,6 +204,7 @@ pub(crate) fn bootstrap_from(store: &dyn Store, cfg: &CommConfig, kept: Option<K
         }
         let r = rendezvous(&plan, &me).and_then(|infos| {
             check_kept(&session, &infos)?;
+            check_measure(cfg, &infos)?;
             if let Some(l) = &listener {
                 let higher: Vec<(u32, Vec<_>)> =
                     infos[rank + 1..].iter().map(|i| (i.rank as u32, i.addrs.iter().map(|a| a.ip).collect())).collect();
@@ -216,11 +222,11 @@ pub(crate) fn bootstrap_from(store: &dyn Store, cfg: &CommConfig, kept: Option<K
     let all_links = connected.and_then(|infos| {
         let rtts = probe(&session, plan.deadline)?;
         size_buffers(&session, &me.addrs, &mut routes, &rtts);
-        if cfg.measure.wanted(infos.iter().any(|i| !same_host(i.machine.as_deref(), infos[0].machine.as_deref()))) {
+        if measure::wanted(cfg.measure, &machines(&infos)) {
             let t0 = Instant::now();
             for (peer, rate) in measure::measure_bandwidth(&session, &rtts, plan.deadline)? {
                 if let Some(r) = routes.iter_mut().find(|r| r.peer == peer) {
-                    r.rx_bps = rate;
+                    r.rx_bytes_per_s = rate;
                 }
             }
             tracing::info!("rank {rank}: links measured in {:.0} ms", t0.elapsed().as_secs_f64() * 1e3);
@@ -249,6 +255,28 @@ pub(crate) fn bootstrap_from(store: &dyn Store, cfg: &CommConfig, kept: Option<K
         }
     }
     Ok(Mesh { session, demux, listener, routes, topology, links })
+}
+
+fn machines(infos: &[PeerInfo]) -> Vec<Option<&str>> {
+    infos.iter().map(|i| i.machine.as_deref()).collect()
+}
+
+/// Every rank must decide alike whether to measure the links: a rank that measures waits for
+/// probes from its peers, which a rank that does not would never send.
+fn check_measure(cfg: &CommConfig, infos: &[PeerInfo]) -> Result<()> {
+    let hosts = machines(infos);
+    let mine = measure::wanted(cfg.measure, &hosts);
+    for info in infos.iter().filter(|i| i.rank != cfg.rank) {
+        let theirs = Measure::from_name(&info.measure).map(|m| measure::wanted(m, &hosts));
+        if theirs.as_ref().ok() != Some(&mine) {
+            let (a, b) = if mine { ("would measure", "would not") } else { ("would not measure", "would") };
+            return Err(PlaitError::Config(format!(
+                "PLAIT_MEASURE={} on this rank ({}) and {:?} on rank {} ({}): this rank {a} the links and that rank {b}; set it the same on every rank",
+                cfg.measure.name(), cfg.rank, info.measure, info.rank, info.host
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// A link is kept only if both ends kept it: a rank whose last mesh failed (or that is new)
@@ -404,7 +432,7 @@ fn connect_mesh(
             rtt_us: None,
             reason: route.reason.clone(),
             streams: lanes as usize,
-            rx_bps: None,
+            rx_bytes_per_s: None,
         });
         start(peer, format!("{}:{}", route.peer_ip, info.port), streams, session)?;
     }
@@ -426,7 +454,7 @@ fn connect_mesh(
             rtt_us: None,
             reason: format!("rank {peer} ({}) connected from {remote}", info.host),
             streams: lanes as usize,
-            rx_bps: None,
+            rx_bytes_per_s: None,
         });
         let mut streams = vec![stream];
         for lane in 1..lanes {

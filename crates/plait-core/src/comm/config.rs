@@ -177,7 +177,7 @@ pub const SETTINGS: &[Setting] = &[
         name: "PLAIT_MEASURE",
         kind: "choice",
         default: "auto",
-        doc: "Measure every directed link's bandwidth at start-up (a train of frames per link, n - 1 rounds of 30 ms to 1 s), for the cost model and the ring order: auto (when some ranks are on other hosts), 1 (always) or 0 (never).",
+        doc: "Measure every directed link's bandwidth at start-up (a train of frames per link, n - 1 rounds of 30 ms to 1 s), for the cost model and the ring order: auto (when every rank has a host of its own, 2 to 32 ranks), 1 (always) or 0 (never); the same decision on every rank.",
         range: None,
     },
     Setting {
@@ -363,7 +363,8 @@ pub struct CommConfig {
 /// `PLAIT_MEASURE`: when start-up measures each link's bandwidth.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Measure {
-    /// When some ranks are on other hosts (links within a host all share its memory).
+    /// When every rank is on a host of its own, from 2 to `comm::measure::AUTO_MAX_RANKS` ranks
+    /// (see `comm::measure::wanted`).
     Auto,
     Always,
     Never,
@@ -379,12 +380,11 @@ impl Measure {
         }
     }
 
-    /// Whether to measure, given whether any two ranks are on different hosts.
-    pub fn wanted(self, off_host: bool) -> bool {
+    pub fn name(self) -> &'static str {
         match self {
-            Measure::Auto => off_host,
-            Measure::Always => true,
-            Measure::Never => false,
+            Measure::Auto => "auto",
+            Measure::Always => "1",
+            Measure::Never => "0",
         }
     }
 }
@@ -400,13 +400,18 @@ pub enum RingOrder {
 }
 
 impl RingOrder {
-    pub fn from_text(v: &str, size: usize) -> Result<RingOrder> {
+    /// The setting's syntax only: whether a list is an order of the world's ranks is checked
+    /// by [`CommConfig::validate`], once the world size is known.
+    pub fn from_text(v: &str) -> Result<RingOrder> {
         match v.trim() {
             "measured" | "" => Ok(RingOrder::Measured),
             "rank" => Ok(RingOrder::Rank),
-            text => crate::sched::order::parse_order(text, size)
+            text => text
+                .split(',')
+                .map(|r| r.trim().parse::<usize>().map_err(|_| format!("'{}' is not a rank", r.trim())))
+                .collect::<std::result::Result<Vec<_>, _>>()
                 .map(RingOrder::Given)
-                .map_err(|e| PlaitError::Config(format!("PLAIT_RING_ORDER: {e} (or measured, or rank)"))),
+                .map_err(|e| PlaitError::Config(format!("PLAIT_RING_ORDER={text:?}: {e} (measured, rank, or a list of every rank)"))),
         }
     }
 }
@@ -543,6 +548,11 @@ impl CommConfig {
             return Err(PlaitError::invalid(format!("rank={}: must be between 0 and world_size - 1 ({})", self.rank, self.size - 1)));
         }
         check_argument("", "epoch", self.epoch as f64)?;
+        if let RingOrder::Given(order) = &self.ring_order {
+            let text: Vec<String> = order.iter().map(|r| r.to_string()).collect();
+            crate::sched::order::parse_order(&text.join(","), self.size)
+                .map_err(|e| PlaitError::Config(format!("PLAIT_RING_ORDER: {e} (or measured, or rank)")))?;
+        }
         check_timeout("", self.timeout)?;
         let fields = [
             ("segment_bytes", SEGMENT_BYTES, self.segment_bytes as f64),
@@ -578,7 +588,7 @@ impl CommConfig {
             None => Wire::Native,
         };
         let measure = setting("PLAIT_MEASURE").map_or(Ok(Measure::Auto), |v| Measure::from_name(&v))?;
-        let ring_order = setting("PLAIT_RING_ORDER").map_or(Ok(RingOrder::Measured), |v| RingOrder::from_text(&v, size))?;
+        let ring_order = setting("PLAIT_RING_ORDER").map_or(Ok(RingOrder::Measured), |v| RingOrder::from_text(&v))?;
         let encrypt = match setting("PLAIT_ENCRYPT").as_deref().map(str::trim) {
             None | Some("0") => false,
             Some("1") => true,

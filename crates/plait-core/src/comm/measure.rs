@@ -10,8 +10,10 @@
 //! receives are posted (`PROBE_GO_TAG`), so frames land as they arrive and their arrival times
 //! are the link's; the rate is taken over the second half of the train's frames, after slow start.
 
+use super::config::Measure;
 use crate::dtype::DType;
 use crate::error::Result;
+use crate::platform::host::same_host;
 use crate::exec::p2p;
 use crate::net::frame::{PROBE_FRAME_BYTES, PROBE_GO_TAG, PROBE_TAG};
 use crate::raw::RawBuf;
@@ -25,6 +27,25 @@ const AHEAD: usize = 8;
 const MIN_FRAMES: usize = 8;
 pub(crate) const MIN_TRAIN: Duration = Duration::from_millis(30);
 pub(crate) const MAX_TRAIN: Duration = Duration::from_secs(1);
+
+/// `auto` measures up to this many ranks: the rounds run one after another, at least 30 ms each.
+pub(crate) const AUTO_MAX_RANKS: usize = 32;
+
+/// Whether start-up measures the links, as `setting` decides for ranks on hosts `machines`
+/// (`platform::host` identities, None unknown). `auto` measures only when every rank has a
+/// host of its own: ranks that share a host share its NIC, and the rounds' concurrent trains
+/// would then measure how many of a host's ranks send at once, not the link.
+pub(crate) fn wanted(setting: Measure, machines: &[Option<&str>]) -> bool {
+    match setting {
+        Measure::Always => true,
+        Measure::Never => false,
+        Measure::Auto => {
+            let n = machines.len();
+            (2..=AUTO_MAX_RANKS).contains(&n)
+                && (0..n).all(|i| (i + 1..n).all(|j| !same_host(machines[i], machines[j])))
+        }
+    }
+}
 
 /// How long a train to a peer `rtt` away lasts: 20 round trips, from 30 ms to 1 s.
 pub(crate) fn train_time(rtt: Duration) -> Duration {
@@ -132,6 +153,19 @@ mod tests {
         assert!((r - 1e6).abs() < 0.1e6, "{r}");
         assert_eq!(rate_of(&at[..1], 1000), None);
         assert_eq!(rate_of(&[], 1000), None);
+    }
+
+    #[test]
+    fn auto_measures_only_worlds_of_one_rank_per_host() {
+        let hosts = |names: &[&'static str]| names.iter().map(|&n| Some(n)).collect::<Vec<_>>();
+        assert!(wanted(Measure::Auto, &hosts(&["a", "b", "c"])));
+        assert!(!wanted(Measure::Auto, &hosts(&["a", "b", "a"])), "two ranks share host a");
+        assert!(!wanted(Measure::Auto, &hosts(&["a"])));
+        assert!(wanted(Measure::Auto, &[None, None]), "unknown hosts are never the same");
+        let many: Vec<String> = (0..=AUTO_MAX_RANKS).map(|i| format!("h{i}")).collect();
+        let many: Vec<Option<&str>> = many.iter().map(|s| Some(s.as_str())).collect();
+        assert!(!wanted(Measure::Auto, &many) && wanted(Measure::Always, &many));
+        assert!(!wanted(Measure::Never, &hosts(&["a", "b"])) && wanted(Measure::Always, &hosts(&["a", "a"])));
     }
 
     #[test]

@@ -50,7 +50,7 @@ pub struct LinkRecord {
     pub streams: usize,
     /// Bytes per second from the peer to this rank, measured at start-up (`PLAIT_MEASURE`).
     #[serde(default)]
-    pub rx_bps: Option<f64>,
+    pub rx_bytes_per_s: Option<f64>,
 }
 
 fn one() -> usize {
@@ -62,7 +62,7 @@ fn one() -> usize {
 /// Pure, so every rank builds the same matrix from the same records.
 pub fn link_matrix(records: &[Vec<LinkRecord>]) -> Option<LinkMatrix> {
     let rec = |r: usize, peer: usize| records.get(r)?.iter().find(|l| l.peer == peer);
-    LinkMatrix::from_fn(records.len(), |i, j| Some((rec(i, j)?.rtt_us? / 2e6, rec(j, i)?.rx_bps?)))
+    LinkMatrix::from_fn(records.len(), |i, j| Some((rec(i, j)?.rtt_us? / 2e6, rec(j, i)?.rx_bytes_per_s?)))
 }
 
 /// Derives the topology from every rank's link records (`records[r]` = rank r's links). Pure,
@@ -187,7 +187,7 @@ mod tests {
     use super::*;
 
     fn rec(peer: usize, iface: &str, same_host: bool) -> LinkRecord {
-        LinkRecord { peer, local_iface: iface.into(), local: String::new(), remote: String::new(), same_host, rtt_us: None, reason: String::new(), streams: 1, rx_bps: None }
+        LinkRecord { peer, local_iface: iface.into(), local: String::new(), remote: String::new(), same_host, rtt_us: None, reason: String::new(), streams: 1, rx_bytes_per_s: None }
     }
 
     #[test]

@@ -13,7 +13,7 @@
 
 use super::agree::{MemberId, View};
 use super::control::{Control, ControlConfig, Decision, Freeze};
-use crate::comm::{CommConfig, Communicator, GiveUp, Measure};
+use crate::comm::{CommConfig, Communicator, GiveUp, Measure, RingOrder};
 use crate::dtype::{DType, ReduceOp};
 use crate::error::{PlaitError, Result};
 use crate::exec::CollRequest;
@@ -360,6 +360,12 @@ impl ElasticComm {
         // build of 12-25 ms on loopback): only when asked for, not by default.
         if cfg.measure == Measure::Auto {
             cfg.measure = Measure::Never;
+        }
+        // A list names the ranks of one world size; views change size and rank numbers.
+        if matches!(cfg.ring_order, RingOrder::Given(_)) {
+            static WARNED: std::sync::Once = std::sync::Once::new();
+            WARNED.call_once(|| tracing::warn!("PLAIT_RING_ORDER lists ranks, which elastic views renumber: rings follow the measured or rank order"));
+            cfg.ring_order = RingOrder::Measured;
         }
         let control = self.control.clone();
         let epoch = view.epoch;

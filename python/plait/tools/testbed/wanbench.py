@@ -62,7 +62,7 @@ def bench_pipe(spec, *, nbytes, iters, timeout, streams=(1, 2, 4), name="plaitwa
     """Rank 0 sends nbytes to rank 1 over one WAN cable, with each number of TCP streams."""
     out = {"nodes": 2, "bytes": nbytes, "wan": spec, "runs": []}
     (a, b), (there, back) = next(iter(_wan.parse_wan(spec).items()))
-    out["rate_bps"] = there.rate
+    out["rate_bits_per_s"] = there.rate
     with Testbed(2, wan=spec, name=name) as tb:
         for k in streams:
             log(f"plait send/recv, {k} stream(s) ({iters} x {nbytes / 2**20:g} MiB) ...")
@@ -73,7 +73,7 @@ def bench_pipe(spec, *, nbytes, iters, timeout, streams=(1, 2, 4), name="plaitwa
 
 
 def report_pipe(res, console):
-    rate = res["rate_bps"]
+    rate = res["rate_bits_per_s"]
     possible = _wan.goodput(rate) if rate else None
     t = Table(title=f"one transfer of {res['bytes'] / 2**20:g} MiB over one WAN cable ({res['wan']}), receiver's median")
     for c in ("configuration", "time", "Mbit/s", "of the cable's TCP goodput"):
@@ -119,7 +119,7 @@ def report(res, console):
         for i in range(n):
             cells = []
             for j in range(n):
-                bw, lat = links["bandwidth_bps"][i][j], links["latency_s"][i][j]
+                bw, lat = links["bytes_per_s"][i][j], links["latency_s"][i][j]
                 cells.append("" if i == j else f"{bw * 8e-6:.0f} ({lat * 1e3:.1f})")
             m.add_row(str(i), *cells)
         console.print(m)
