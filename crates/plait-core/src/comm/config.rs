@@ -184,7 +184,7 @@ pub const SETTINGS: &[Setting] = &[
         name: "PLAIT_RING_ORDER",
         kind: "text",
         default: "measured",
-        doc: "The order ring algorithms pass data in: measured (the order whose slowest link is fastest, from the measured links; rank order when they were not measured), rank, or a list of every rank (`0,2,1,3`), the same on every rank.",
+        doc: "The order ring algorithms pass data in (and chain broadcast and reduce follow from their root): measured (the order whose slowest link is fastest, from the measured links; rank order when they were not measured), rank, or a list of every rank (`0,2,1,3`), the same on every rank.",
         range: None,
     },
     Setting {

@@ -201,10 +201,10 @@ pub fn parse_order(text: &str, n: usize) -> Result<Vec<usize>, String> {
 
 /// `s` with position `p` run by rank `order[p]`: programs move, peers and blocks are renamed
 /// alike (block `i` of the layout becomes block `order[i]`, so each rank's own block stays its
-/// own). Only for collectives without a root.
+/// own), and the root is position `s.root`'s rank.
 pub fn relabel(s: &Schedule, order: &[usize]) -> Schedule {
     let n = s.nranks;
-    assert!(!s.collective.rooted() && order.len() == n, "relabel: an order of {n} ranks for a rootless collective");
+    assert!(order.len() == n, "relabel: an order of {n} ranks");
     let chunk = |c: ChunkRef| -> ChunkRef {
         match c.buf {
             Buf::Scratch => {
@@ -216,8 +216,8 @@ pub fn relabel(s: &Schedule, order: &[usize]) -> Schedule {
         }
     };
     let single = |buf: Buf, p: usize| match buf {
-        Buf::Input => s.collective.input_chunks(n, p, 0) == 1,
-        Buf::Output => s.collective.output_chunks(n, p, 0) == 1,
+        Buf::Input => s.collective.input_chunks(n, p, s.root) == 1,
+        Buf::Output => s.collective.output_chunks(n, p, s.root) == 1,
         Buf::Scratch => false,
     };
     let mut ranks = vec![Vec::new(); n];
@@ -248,7 +248,17 @@ pub fn relabel(s: &Schedule, order: &[usize]) -> Schedule {
             .collect();
     }
     let shown: Vec<String> = order.iter().map(|r| r.to_string()).collect();
-    Schedule { ranks, variant: format!("order {}", shown.join(">")), ..s.clone() }
+    let root = if s.collective.rooted() { order[s.root] } else { 0 };
+    Schedule { ranks, root, variant: format!("order {}", shown.join(">")), ..s.clone() }
+}
+
+/// The ring order turned to start at `root`: a chain from the root along the ring.
+pub fn from_root(order: &[usize], root: usize) -> Vec<usize> {
+    let mut rotated = order.to_vec();
+    if let Some(at) = order.iter().position(|&r| r == root) {
+        rotated.rotate_left(at);
+    }
+    rotated
 }
 
 #[cfg(test)]
@@ -352,6 +362,26 @@ mod tests {
         sorted.sort_unstable();
         assert_eq!(sorted, (0..n).collect::<Vec<_>>());
         assert!(!better(ring_cost(&m, &(0..n).collect::<Vec<_>>(), 1e6), ring_cost(&m, &a, 1e6)), "no worse than rank order");
+    }
+
+    #[test]
+    fn chains_from_any_root_along_the_ring_stay_correct() {
+        for coll in [Collective::Broadcast, Collective::Reduce] {
+            for n in 2..=7 {
+                let order: Vec<usize> = (0..n).map(|p| (n + 1 - p) % n).collect();
+                for root in 0..n {
+                    let chain = from_root(&order, root);
+                    assert_eq!(chain[0], root);
+                    let r = relabel(&generate(coll, "chain", n, 0).unwrap(), &chain);
+                    assert_eq!(r.root, root);
+                    verify(&r).unwrap_or_else(|e| panic!("{coll} chain n={n} root {root} along {order:?}: {e}"));
+                    let first: Vec<u32> = r.ranks[root].iter().flat_map(|st| st.sends.iter().map(|o| o.peer)).collect();
+                    if coll == Collective::Broadcast {
+                        assert!(first.iter().all(|&p| p as usize == chain[1]), "the root sends to the next on the ring");
+                    }
+                }
+            }
+        }
     }
 
     #[test]

@@ -6,7 +6,7 @@
 
 use super::cost::{estimate, LinkModel};
 use super::gen::{algorithms, generate, unknown_algorithm};
-use super::order::relabel;
+use super::order::{from_root, relabel};
 use super::verify::verify;
 use super::{Collective, Schedule};
 use crate::error::PlaitError;
@@ -106,7 +106,12 @@ impl Selector {
         // generation is harmless (same result).
         let mut s = generate(coll, algo, n, root)?;
         if let Some(order) = self.ring_order(n).filter(|_| follows_ring_order(coll, algo)) {
-            s = relabel(&s, order);
+            s = if coll.rooted() {
+                // A chain from the root along the ring: built rooted at position 0, then moved.
+                relabel(&generate(coll, algo, n, 0)?, &from_root(order, root))
+            } else {
+                relabel(&s, order)
+            };
         }
         verify(&s).map_err(|e| {
             PlaitError::Config(format!(
@@ -180,11 +185,15 @@ impl Selector {
     }
 }
 
-/// The algorithms whose steps pass data around a ring, and so run in the ring order.
+/// The algorithms whose steps pass data around a ring (or down a chain from the root), and so
+/// run in the ring order.
 fn follows_ring_order(coll: Collective, algo: &str) -> bool {
     matches!(
         (coll, algo),
-        (Collective::AllReduce, "ring" | "ring2") | (Collective::ReduceScatter, "ring") | (Collective::AllGather, "ring")
+        (Collective::AllReduce, "ring" | "ring2")
+            | (Collective::ReduceScatter, "ring")
+            | (Collective::AllGather, "ring")
+            | (Collective::Broadcast | Collective::Reduce, "chain")
     )
 }
 
@@ -269,6 +278,14 @@ mod tests {
         // Algorithms that do not pass data around a ring keep the rank order.
         let d = ordered.choose(Collective::AllReduce, 4, 0, &big, Some("direct")).unwrap();
         assert!(d.variant.is_empty());
+        // A chain from any root follows the ring, so it never takes the slow link either.
+        for root in 0..4 {
+            let c = ordered.choose(Collective::Broadcast, 4, root, &big, Some("chain")).unwrap();
+            assert_eq!(c.root, root);
+            for (r, prog) in c.ranks.iter().enumerate() {
+                assert!(prog.iter().all(|st| st.sends.iter().all(|o| !slow(r, o.peer as usize))), "root {root}: {}", c.label());
+            }
+        }
         // The identity order changes nothing.
         assert!(Selector::new(HashMap::new(), LinkModel::default(), 1 << 20).with_ring_order(vec![0, 1, 2, 3]).ring_order(4).is_none());
     }
