@@ -49,6 +49,7 @@ def test_doctor_json_to_stdout_or_a_file_and_no_direct_link_warning_on_one_host(
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         rep = json.loads(proc.stdout)  # the whole of stdout
         assert rep["world_size"] == 2 and len(rep["routes"]) == 2, rep
+        assert rep["ring_order"] == [0, 1], rep
         assert not [w for w in rep["warnings"] if w["code"] == "lan_fallback" or "direct" in w["message"]], \
             rep["warnings"]
     path = tmp_path / "doctor.json"
@@ -97,7 +98,7 @@ def test_testbed_status_json_to_stdout_or_a_file(tmp_path):
 def test_tools_without_rich_print_plain_text(tmp_path):
     proc = _plait(["doctor", "--local", "2", "--no-bandwidth"], no_rich=tmp_path / "norich")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    for text in ("Interfaces", "Routes", "127.0.0.1 -> 127.0.0.1", "Round trip", "no problems found"):
+    for text in ("Interfaces", "Routes", "127.0.0.1 -> 127.0.0.1", "Round trip", "no problems found", "ring order 0 > 1"):
         assert text in proc.stdout, proc.stdout
     assert not BOX & set(proc.stdout) and "\x1b" not in proc.stdout and "[bold" not in proc.stdout, proc.stdout
     proc = _plait(["--help"], no_rich=tmp_path / "norich", timeout=60)

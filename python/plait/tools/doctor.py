@@ -374,6 +374,7 @@ def run_rank(rank, n, master_addr, master_port, *, timeout=30.0, budget=0.25, ba
             meas["routes"] = [dict(r) for r in comm.routes()]
             top = getattr(comm, "topology", None) or getattr(comm._comm, "topology", None)
             meas["topology"] = top() if callable(top) else None
+            meas["ring_order"] = comm.ring_order()  # from the links the core measured (PLAIT_MEASURE)
             # Measure only if every rank connected; otherwise the peers would wait for nothing.
             everyone = True
             for r in range(n):
@@ -538,6 +539,7 @@ def build_report(n, infos, measures, missing, *, master_addr=None, master_port=N
             routes[r][rt["peer"]] = rt
     tops = {m.get("topology") for m in measures if m and m.get("topology")}
     topology = tops.pop() if len(tops) == 1 else (None if not tops else "disagree: " + ", ".join(sorted(tops)))
+    ring_order = next((m["ring_order"] for m in measures if m and m.get("ring_order")), None)
 
     # Subnets each rank has, to find direct links ("dedicated": only two ranks on that subnet).
     nets = [{} for _ in range(n)]
@@ -676,6 +678,7 @@ def build_report(n, infos, measures, missing, *, master_addr=None, master_port=N
     errors = [w for w in warnings if w["level"] == "error"]
     return {
         "world_size": n, "master": f"{master_addr}:{master_port}", "topology": topology, "multi_host": multi_host,
+        "ring_order": ring_order,
         "hosts": [(i or {}).get("host") for i in infos], "ranks": infos, "routes": rows,
         "rtt_us": rtt, "bandwidth_alone_gbps": [[_gbps(v) for v in row] for row in bw_alone],
         "bandwidth_all_at_once_gbps": [[_gbps(v) for v in row] for row in bw_all],
@@ -696,8 +699,11 @@ def print_report(rep, console=None):
 
     console = console or Console(width=max(120, Console().width))
     n = rep["world_size"]
+    order = rep.get("ring_order")
     console.print(f"[bold]plait doctor[/]: {n} ranks on {len(set(h for h in rep['hosts'] if h))} host(s), store at "
-                  f"{rep['master']}, topology [bold]{rep['topology'] or 'unknown'}[/]", highlight=False)
+                  f"{rep['master']}, topology [bold]{rep['topology'] or 'unknown'}[/]"
+                  + (f", ring order {' > '.join(map(str, order))} (`plait topology` shows why)" if order else ""),
+                  highlight=False)
     t = Table(title="Interfaces (as each rank publishes them)", title_justify="left")
     for c in ("rank", "host", "interface", "address", "MTU", "speed"):
         t.add_column(c)
