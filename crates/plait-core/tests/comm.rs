@@ -279,22 +279,31 @@ fn several_streams_per_peer_keep_results_and_message_order() {
     assert!(results.iter().all(|w| w.is_empty()), "{results:?}");
 }
 
-#[test]
-fn ranks_disagreeing_on_streams_fail_naming_the_setting() {
+/// Every rank of a world of `n` whose configurations `tweak` sets, expected to be refused at
+/// start-up: each rank's error and how long it took.
+fn refusals(n: usize, timeout: Duration, tweak: impl Fn(&mut CommConfig) + Send + Sync + 'static) -> Vec<(String, Duration)> {
     let store = Arc::new(MemStore::new());
-    let handles: Vec<_> = (0..2)
+    let tweak = Arc::new(tweak);
+    let handles: Vec<_> = (0..n)
         .map(|r| {
-            let store = store.clone();
+            let (store, tweak) = (store.clone(), tweak.clone());
             std::thread::spawn(move || {
-                let mut cfg = CommConfig::from_env(r, 2).unwrap();
-                cfg.timeout = Duration::from_secs(3);
-                cfg.streams = 1 + r;
-                Communicator::new(&*store, cfg).map(|c| c.close()).unwrap_err().to_string()
+                let mut cfg = CommConfig::from_env(r, n).unwrap();
+                cfg.timeout = timeout;
+                tweak(&mut cfg);
+                let t0 = Instant::now();
+                let e = Communicator::new(&*store, cfg).map(|c| c.close()).expect_err("refused").to_string();
+                (e, t0.elapsed())
             })
         })
         .collect();
-    let errs: Vec<String> = handles.into_iter().map(|h| h.join().unwrap()).collect();
-    assert!(errs.iter().any(|e| e.contains("PLAIT_STREAMS")), "{errs:?}");
+    handles.into_iter().map(|h| h.join().unwrap()).collect()
+}
+
+#[test]
+fn ranks_disagreeing_on_streams_fail_naming_the_setting() {
+    let errs = refusals(2, Duration::from_secs(3), |cfg| cfg.streams = 1 + cfg.rank);
+    assert!(errs.iter().any(|(e, _)| e.contains("PLAIT_STREAMS")), "{errs:?}");
 }
 
 /// Receiver threads wait for several hundred KiB per wake-up while reading a large payload; a
@@ -521,22 +530,10 @@ fn ranks_given_different_ring_orders_all_fail_naming_their_orders_instead_of_mix
 
 #[test]
 fn ranks_that_would_measure_differently_are_refused_at_once_naming_the_setting() {
-    let store = Arc::new(MemStore::new());
-    let handles: Vec<_> = (0..2)
-        .map(|r| {
-            let store = store.clone();
-            std::thread::spawn(move || {
-                let mut cfg = CommConfig::from_env(r, 2).unwrap();
-                cfg.timeout = Duration::from_secs(30);
-                cfg.measure = if r == 0 { Measure::Always } else { Measure::Never };
-                let t0 = Instant::now();
-                let e = Communicator::new(&*store, cfg).err().expect("refused").to_string();
-                (e, t0.elapsed())
-            })
-        })
-        .collect();
-    for h in handles {
-        let (e, took) = h.join().unwrap();
+    let out = refusals(2, Duration::from_secs(30), |cfg| {
+        cfg.measure = if cfg.rank == 0 { Measure::Always } else { Measure::Never };
+    });
+    for (e, took) in out {
         assert!(e.contains("PLAIT_MEASURE") && e.contains("set it the same on every rank"), "{e}");
         assert!(took < Duration::from_secs(10), "refused after {took:?}, not at the deadline");
     }

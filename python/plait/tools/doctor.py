@@ -806,6 +806,23 @@ def run_local_command(command, n, args_list, timeout):
     return procs[0].returncode if procs[0].returncode is not None else 1
 
 
+def run_as_job_rank(command, run):
+    """`run(rank, world size, MASTER_ADDR, MASTER_PORT)` for the rank the launcher's environment
+    names (exit 2 when it names none); its exit status, 130 on Ctrl-C, 1 after printing an
+    unexpected error with the rank."""
+    job = job_env(command)
+    if job is None:
+        return 2
+    try:
+        return run(*job)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as e:
+        print(f"plait {command}: rank {job[0]}: {type(e).__name__}: {e}\n{traceback.format_exc(limit=4)}",
+              file=sys.stderr)
+        return 1
+
+
 def job_env(command):
     """(rank, world size, MASTER_ADDR, MASTER_PORT) from the environment a launcher sets, or None
     after saying on stderr what is missing or wrong (`plait COMMAND` then exits 2)."""
@@ -846,18 +863,9 @@ def main(args):
         rest = (["--json", args.json] if args.json else []) + ["--timeout", str(args.timeout), "--budget", str(args.budget)] \
             + (["--no-bandwidth"] if args.no_bandwidth else [])
         return run_local(args.local, rest, args.timeout * 3 + 30)
-    job = job_env("doctor")
-    if job is None:
-        return 2
-    rank, n, master_addr, port = job
-    try:
-        return run_rank(rank, n, master_addr, port, timeout=args.timeout, budget=args.budget,
-                        bandwidth=not args.no_bandwidth, json_path=args.json)
-    except KeyboardInterrupt:
-        return 130
-    except Exception as e:
-        print(f"plait doctor: rank {rank}: {type(e).__name__}: {e}\n{traceback.format_exc(limit=4)}", file=sys.stderr)
-        return 1
+    return run_as_job_rank("doctor", lambda rank, n, master_addr, port: run_rank(
+        rank, n, master_addr, port, timeout=args.timeout, budget=args.budget, bandwidth=not args.no_bandwidth,
+        json_path=args.json))
 
 
 if __name__ == "__main__":

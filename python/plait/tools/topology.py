@@ -13,7 +13,6 @@ import os
 import statistics
 import sys
 import time
-import traceback
 
 from ._jsonout import add_json_option, to_stdout, write_json
 
@@ -214,20 +213,11 @@ def main(args):
             + (["--bench"] if args.bench else []) + (["--json", args.json] if args.json else []) \
             + (["--plot", args.plot] if args.plot else [])
         return run_local_command("topology", args.local, rest, args.timeout * 3 + 30)
-    from .doctor import job_env
+    from .doctor import run_as_job_rank
 
-    job = job_env("topology")
-    if job is None:
-        return 2
-    rank, n, master_addr, port = job
-    try:
-        return run_rank(rank, n, master_addr, port, sizes=sizes, bench=args.bench, iters=args.iters,
-                        timeout=args.timeout, json_path=args.json, plot_path=args.plot)
-    except KeyboardInterrupt:
-        return 130
-    except Exception as e:
-        print(f"plait topology: rank {rank}: {type(e).__name__}: {e}\n{traceback.format_exc(limit=4)}", file=sys.stderr)
-        return 1
+    return run_as_job_rank("topology", lambda rank, n, master_addr, port: run_rank(
+        rank, n, master_addr, port, sizes=sizes, bench=args.bench, iters=args.iters, timeout=args.timeout,
+        json_path=args.json, plot_path=args.plot))
 
 
 if __name__ == "__main__":
