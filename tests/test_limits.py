@@ -114,6 +114,7 @@ CORE_SETTINGS = [
     ("PLAIT_TIMEOUT", ["1e19", "inf", "nan", "-1", "0", "soon", "1e400"]),
     ("PLAIT_SEGMENT_BYTES", ["0", "-5", "1e30", str(2**70), "1.5"]),
     ("PLAIT_STREAMS", ["0", "1000", "-1", "1.5"]),
+    ("PLAIT_STREAMS_MAX", ["0", "17", "1.5"]),
     ("PLAIT_CALLER_READ_BYTES", ["-1", str(2**70), "nan"]),
     ("PLAIT_BUSY_POLL_US", ["-1", str(2**64 - 1), "inf"]),
 ]

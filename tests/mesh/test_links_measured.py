@@ -59,3 +59,32 @@ def test_the_wan_benchmark_runs_and_reports_every_configuration(tmp_path):
     assert res["runs"][2]["schedule"] == "ring" and res["runs"][1]["schedule"].startswith("ring (order ")
     order = res["ring_order"]
     assert frozenset((1, 2)) not in {frozenset((order[p], order[(p + 1) % 4])) for p in range(4)}, order
+
+
+def _transfer(tb, op, env):
+    cmd = [sys.executable, "-m", "plait.tools.testbed._worker", "--lib", "plait", "--op", op, "--bytes",
+           str(32 << 20), "--iters", "1", "--warmup", "0", "--timeout", "60"]
+    return _results(tb.run(cmd, timeout=120, env=dict(env, PLAIT_MEASURE="1"), stream=False), 2)
+
+
+def test_a_link_one_stream_cannot_fill_gets_more_streams():
+    """A 80 ms round trip, 1 Gbit/s cable between hosts with a stock Linux kernel's TCP buffer
+    limits (4 MiB to send): one stream keeps at most those buffers in flight, about 250 Mbit/s
+    over 80 ms. Start-up sees the stream held back by its buffers, opens more connections
+    (PLAIT_STREAMS_MAX), measures again, and a transfer spread over them is faster and right."""
+    with Testbed(2, name="pltestlanes", lan_rate=None, wan="0-1 40ms 1gbit", tcp_buffers="stock") as tb:
+        one = _transfer(tb, "broadcast", {"PLAIT_STREAMS_MAX": "1"})
+        grown = _transfer(tb, "broadcast", {})
+        p2p = _transfer(tb, "p2p", {})
+    assert [r["streams"] for r in one] == [1, 1], "PLAIT_STREAMS_MAX=1 adds no connection"
+    streams = [r["streams"] for r in grown]
+    assert streams[0] == streams[1] and streams[0] > 1, streams
+    assert [r["streams"] for r in p2p] == streams, "the same links get the same connections"
+    assert grown[0]["links"] == grown[1]["links"], "both ends hold the same matrix"
+    rate = lambda res: min(res[0]["links"]["bytes_per_s"][0][1], res[0]["links"]["bytes_per_s"][1][0]) * 8  # noqa: E731
+    r1, rn = rate(one), rate(grown)
+    t1, tn = one[1]["times"][0], grown[1]["times"][0]
+    harness.note(f"cable 40 ms each way, 1 Gbit/s, stock TCP buffers: one stream measured {r1 * 1e-6:.0f} Mbit/s, "
+                 f"{streams[0]} streams {rn * 1e-6:.0f}; broadcast of 32 MiB {t1 * 1e3:.0f} ms -> {tn * 1e3:.0f} ms")
+    assert rn >= 1.5 * r1, (r1 * 1e-6, rn * 1e-6)
+    assert tn < 0.8 * t1, (t1, tn)

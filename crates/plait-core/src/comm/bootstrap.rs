@@ -183,6 +183,8 @@ pub(crate) fn bootstrap_from(store: &dyn Store, cfg: &CommConfig, kept: Option<K
         }
     };
     session.busy_poll = cfg.busy_poll;
+    let kept_peers: Vec<usize> = (0..size).filter(|&p| p != rank && session.links[p].is_some()).collect();
+    let mut dialed = Vec::new();
     let watching = std::sync::atomic::AtomicBool::new(true);
     let connected = std::thread::scope(|scope| {
         if let Some(give_up) = &cfg.give_up {
@@ -211,7 +213,7 @@ pub(crate) fn bootstrap_from(store: &dyn Store, cfg: &CommConfig, kept: Option<K
                 l.admit(&higher);
             }
             let routing = Routing { me: &me, infos: &infos, filter: filter.as_ref(), file: route_file.as_ref() };
-            connect_mesh(&plan, &routing, listener.as_ref(), &demux, &mut session, &mut routes)?;
+            connect_mesh(&plan, &routing, listener.as_ref(), &demux, &mut session, &mut routes, &mut dialed)?;
             Ok(infos)
         });
         watching.store(false, std::sync::atomic::Ordering::SeqCst);
@@ -222,16 +224,23 @@ pub(crate) fn bootstrap_from(store: &dyn Store, cfg: &CommConfig, kept: Option<K
     let all_links = connected.and_then(|infos| {
         let rtts = probe(&session, plan.deadline)?;
         size_buffers(&session, &me.addrs, &mut routes, &rtts);
-        if measure::wanted(cfg.measure, &machines(&infos)) {
-            let t0 = Instant::now();
-            for (peer, rate) in measure::measure_bandwidth(&session, &rtts, plan.deadline)? {
-                if let Some(r) = routes.iter_mut().find(|r| r.peer == peer) {
-                    r.rx_bytes_per_s = rate;
-                }
-            }
-            tracing::info!("rank {rank}: links measured in {:.0} ms", t0.elapsed().as_secs_f64() * 1e3);
+        for r in routes.iter_mut() {
+            r.max_streams = if kept_peers.contains(&r.peer) { r.streams } else { cfg.streams_max.max(r.streams) };
         }
-        share_links(&plan, &mut routes)
+        if !measure::wanted(cfg.measure, &machines(&infos)) {
+            return share_links(&plan, "links", &mut routes);
+        }
+        measure_links(&session, &rtts, &mut routes, plan.deadline)?;
+        let all = share_links(&plan, "links", &mut routes)?;
+        let grow = measure::lanes_wanted(&all);
+        if grow.is_empty() {
+            return Ok(all);
+        }
+        // Every rank holds the same records, so every rank adds the same connections and measures
+        // again, over them.
+        add_lanes(&plan, &session, listener.as_ref(), &infos, &dialed, &grow, &mut routes)?;
+        measure_links(&session, &rtts, &mut routes, plan.deadline)?;
+        share_links(&plan, "links-grown", &mut routes)
     });
     let all_links = match all_links {
         Ok(all) => all,
@@ -406,6 +415,7 @@ fn connect_mesh(
     demux: &Arc<Demux>,
     session: &mut Session,
     routes: &mut Vec<LinkRecord>,
+    dialed: &mut Vec<(usize, Route)>,
 ) -> Result<()> {
     let (rank, lanes) = (plan.cfg.rank, plan.hello.lanes);
     let start = |peer: usize, addr: String, streams: Vec<LinkStream>, session: &mut Session| -> Result<()> {
@@ -423,18 +433,17 @@ fn connect_mesh(
         for lane in 1..lanes {
             streams.push(connect(&route, info.port, &Hello { lane, ..first.clone() }, &plan.auth, plan.deadline)?);
         }
-        routes.push(LinkRecord {
+        routes.push(LinkRecord::connected(
             peer,
-            local_iface: route.local.name.clone(),
-            local: route.local.ip.to_string(),
-            remote: route.peer_ip.to_string(),
-            same_host: routing.same_host(peer),
-            rtt_us: None,
-            reason: route.reason.clone(),
-            streams: lanes as usize,
-            rx_bytes_per_s: None,
-        });
+            route.local.name.clone(),
+            route.local.ip.to_string(),
+            route.peer_ip.to_string(),
+            routing.same_host(peer),
+            route.reason.clone(),
+            lanes as usize,
+        ));
         start(peer, format!("{}:{}", route.peer_ip, info.port), streams, session)?;
+        dialed.push((peer, route));
     }
     for (peer, info) in routing.infos.iter().enumerate().skip(rank + 1) {
         if session.links[peer].is_some() {
@@ -445,17 +454,15 @@ fn connect_mesh(
         let remote = stream.stream.peer_addr().map(|a| a.ip().to_canonical().to_string()).unwrap_or_default();
         let local_ip = stream.stream.local_addr().map(|a| a.ip().to_canonical()).ok();
         let local_iface = routing.me.addrs.iter().find(|a| Some(a.ip) == local_ip).map(|a| a.name.clone()).unwrap_or_default();
-        routes.push(LinkRecord {
+        routes.push(LinkRecord::connected(
             peer,
             local_iface,
-            local: local_ip.map(|i| i.to_string()).unwrap_or_default(),
-            remote: remote.clone(),
-            same_host: routing.same_host(peer),
-            rtt_us: None,
-            reason: format!("rank {peer} ({}) connected from {remote}", info.host),
-            streams: lanes as usize,
-            rx_bytes_per_s: None,
-        });
+            local_ip.map(|i| i.to_string()).unwrap_or_default(),
+            remote.clone(),
+            routing.same_host(peer),
+            format!("rank {peer} ({}) connected from {remote}", info.host),
+            lanes as usize,
+        ));
         let mut streams = vec![stream];
         for lane in 1..lanes {
             streams.push(listener.accept_lane(peer as u32, lane, plan.deadline)?);
@@ -530,25 +537,89 @@ fn probe(session: &Arc<Session>, deadline: Instant) -> Result<Vec<(usize, Durati
 /// where the interface's speed is known. An interface of unknown speed (loopback, virtual, or a
 /// system that does not say) keeps the system's buffer autotuning.
 fn size_buffers(session: &Session, addrs: &[IfaceAddr], routes: &mut [LinkRecord], rtts: &[(usize, Duration)]) {
+    let (send, recv) = crate::net::tuning::stream_buffer_limits();
     for &(peer, rtt) in rtts {
         let Some(r) = routes.iter_mut().find(|r| r.peer == peer) else { continue };
         r.rtt_us = Some(rtt.as_secs_f64() * 1e6);
+        (r.send_buffer, r.recv_buffer) = (send.map(|b| b as u64), recv.map(|b| b as u64));
         let speed = addrs.iter().find(|a| a.name == r.local_iface).and_then(|a| a.speed_mbps);
+        r.iface_bytes_per_s = speed.map(|mbps| mbps as f64 * 1e6 / 8.0);
         if let Some(mbps) = speed {
             let bdp = (mbps as f64 * 1e6 / 8.0 * rtt.as_secs_f64()) as usize;
             if let Some(size) = session.link(peer).fit_buffers_to_bdp(bdp) {
                 tracing::info!(peer, bdp, size, "socket buffers raised to the link's bandwidth-delay product");
+                (r.send_buffer, r.recv_buffer) = (Some(size as u64), Some(size as u64));
             }
         }
     }
 }
 
+/// Each link's rate into this rank, into its record (`measure`).
+fn measure_links(session: &Arc<Session>, rtts: &[(usize, Duration)], routes: &mut [LinkRecord], deadline: Instant) -> Result<()> {
+    let t0 = Instant::now();
+    for (peer, rate) in measure::measure_bandwidth(session, rtts, deadline)? {
+        if let Some(r) = routes.iter_mut().find(|r| r.peer == peer) {
+            r.rx_bytes_per_s = rate;
+        }
+    }
+    tracing::info!("rank {}: links measured in {:.0} ms", session.rank, t0.elapsed().as_secs_f64() * 1e3);
+    Ok(())
+}
+
+/// Opens the connections `grow` adds to this rank's links (`measure::lanes_wanted`): the rank
+/// that connected a link connects its new lanes over the same route, the other accepts them.
+/// All of this rank's connects come first, so no two ranks wait on each other.
+fn add_lanes(
+    plan: &Plan,
+    session: &Session,
+    listener: Option<&Listener>,
+    infos: &[PeerInfo],
+    dialed: &[(usize, Route)],
+    grow: &[(usize, usize, usize)],
+    routes: &mut [LinkRecord],
+) -> Result<()> {
+    let rank = plan.cfg.rank;
+    let mine: Vec<(usize, usize)> = grow
+        .iter()
+        .filter_map(|&(i, j, lanes)| match rank {
+            r if r == i => Some((j, lanes)),
+            r if r == j => Some((i, lanes)),
+            _ => None,
+        })
+        .collect();
+    let (connects, accepts): (Vec<_>, Vec<_>) = mine.into_iter().partition(|&(peer, _)| peer < rank);
+    for (peer, lanes) in connects.into_iter().chain(accepts) {
+        let record = routes.iter_mut().find(|r| r.peer == peer).expect("a record for every link");
+        let (now, lanes_u8) = (record.streams as u8, lanes.min(MAX_STREAMS) as u8);
+        let mut streams = Vec::with_capacity(lanes - record.streams);
+        if peer < rank {
+            let route = &dialed.iter().find(|d| d.0 == peer).expect("a link grows only if connected this epoch").1;
+            for lane in now..lanes_u8 {
+                let hello = Hello { to: peer as u32, lane, lanes: lanes_u8, ..plan.hello.clone() };
+                streams.push(connect(route, infos[peer].port, &hello, &plan.auth, plan.deadline)?);
+            }
+        } else {
+            let listener = listener.expect("a rank with peers listens");
+            for lane in now..lanes_u8 {
+                streams.push(listener.accept_lane(peer as u32, lane, plan.deadline)?);
+            }
+        }
+        session.add_lanes(peer, streams).map_err(|e| {
+            PlaitError::Rendezvous(format!("could not start the connections added to rank {} ({}): {e}", peer, infos[peer].host))
+        })?;
+        tracing::info!(peer, from = now, to = lanes, "connections added: one could not fill the link");
+        record.streams = lanes;
+    }
+    Ok(())
+}
+
 /// Every rank's link records, in rank order: everyone shares its own, so every rank derives the
-/// same topology.
-fn share_links(plan: &Plan, routes: &mut [LinkRecord]) -> Result<Vec<Vec<LinkRecord>>> {
+/// same topology. `round` names the sharing (records are shared again after connections were
+/// added to links).
+fn share_links(plan: &Plan, round: &str, routes: &mut [LinkRecord]) -> Result<Vec<Vec<LinkRecord>>> {
     let rank = plan.cfg.rank;
     routes.sort_by_key(|r| r.peer);
-    plan.publish(&format!("links/{rank}"), &serde_json::to_vec(&routes).unwrap())?;
+    plan.publish(&format!("{round}/{rank}"), &serde_json::to_vec(&routes).unwrap())?;
     let mut all = Vec::with_capacity(plan.cfg.size);
     for r in 0..plan.cfg.size {
         if r == rank {
@@ -557,7 +628,7 @@ fn share_links(plan: &Plan, routes: &mut [LinkRecord]) -> Result<Vec<Vec<LinkRec
             all.push(serde_json::from_slice(&serde_json::to_vec(&routes).unwrap()).expect("records read back"));
             continue;
         }
-        let raw = plan.store.get(&format!("{}/links/{r}", plan.prefix), plan.left())?;
+        let raw = plan.store.get(&format!("{}/{round}/{r}", plan.prefix), plan.left())?;
         let theirs = serde_json::from_slice(&raw)
             .map_err(|e| PlaitError::Rendezvous(format!("rank {r} published unreadable link records: {e}")))?;
         all.push(theirs);

@@ -99,6 +99,10 @@ pub const DEFAULT_CALLER_READ_BYTES: usize = 64 * 1024;
 /// bandwidth-delay product or per-flow limits want more (see the README).
 pub const DEFAULT_STREAMS: usize = 1;
 pub const MAX_STREAMS: usize = 16;
+/// The most connections start-up opens on its own to a link that one stream cannot fill (its
+/// measured rate is what the socket buffers let one stream carry over its round trip): 8 fill a
+/// 100 ms, 1 Gbit/s cable with a stock Linux kernel's 4 MiB send buffers, twice over.
+pub const DEFAULT_STREAMS_MAX: usize = 8;
 use crate::session::{DEFAULT_UNEXPECTED_BYTES, MIN_UNEXPECTED_BYTES};
 
 /// Every setting the core reads, in the order the README lists them.
@@ -206,6 +210,13 @@ pub const SETTINGS: &[Setting] = &[
         kind: "count",
         default: "1",
         doc: "TCP connections per pair of ranks (1 to 16), for links one stream cannot fill.",
+        range: Some(STREAMS),
+    },
+    Setting {
+        name: "PLAIT_STREAMS_MAX",
+        kind: "count",
+        default: "8",
+        doc: "The most TCP connections per pair of ranks start-up opens on its own (1 to 16), on links the start-up measurement (PLAIT_MEASURE) finds one stream's socket buffers cannot fill (a long fat pipe: rate x round trip past the buffers); 1 never adds any. A link gets the smaller of both ends' settings, and never fewer than PLAIT_STREAMS.",
         range: Some(STREAMS),
     },
     Setting {
@@ -334,6 +345,9 @@ pub struct CommConfig {
     /// TCP connections per pair of ranks (`PLAIT_STREAMS`, 1 to 16): large payloads are spread
     /// over them, for links that one stream cannot fill.
     pub streams: usize,
+    /// The most connections start-up may open to a link that one stream cannot fill
+    /// (`PLAIT_STREAMS_MAX`, 1 to 16; see `measure::lanes_wanted`).
+    pub streams_max: usize,
     /// `PLAIT_IFACE` syntax (NCCL_SOCKET_IFNAME-like).
     pub iface: Option<String>,
     /// `PLAIT_ROUTES`: path of an N x N route matrix that overrides subnet matching.
@@ -557,6 +571,7 @@ impl CommConfig {
         let fields = [
             ("segment_bytes", SEGMENT_BYTES, self.segment_bytes as f64),
             ("streams", STREAMS, self.streams as f64),
+            ("streams_max", STREAMS, self.streams_max as f64),
             ("caller_read_bytes", BYTES_UP_TO, self.caller_read_bytes as f64),
             ("busy_poll (microseconds)", BUSY_POLL_US, self.busy_poll.as_micros() as f64),
             ("unexpected_bytes", UNEXPECTED_BYTES, self.unexpected_bytes as f64),
@@ -579,6 +594,7 @@ impl CommConfig {
         let caller_read_bytes = whole("PLAIT_CALLER_READ_BYTES")?.map_or(DEFAULT_CALLER_READ_BYTES, |v| v as usize);
         let busy_poll = whole("PLAIT_BUSY_POLL_US")?.map_or(Duration::ZERO, Duration::from_micros);
         let streams = whole("PLAIT_STREAMS")?.map_or(DEFAULT_STREAMS, |v| v as usize);
+        let streams_max = whole("PLAIT_STREAMS_MAX")?.map_or(DEFAULT_STREAMS_MAX, |v| v as usize);
         let hello_timeout = setting_number("PLAIT_HELLO_TIMEOUT")?.map_or(DEFAULT_HELLO_TIMEOUT, Duration::from_secs_f64);
         let heartbeat_timeout = setting_number("PLAIT_HEARTBEAT_TIMEOUT")?.map_or(DEFAULT_HEARTBEAT_TIMEOUT, Duration::from_secs_f64);
         let unexpected_bytes = whole("PLAIT_UNEXPECTED_BYTES")?.unwrap_or(DEFAULT_UNEXPECTED_BYTES);
@@ -611,6 +627,7 @@ impl CommConfig {
             caller_read_bytes,
             busy_poll,
             streams,
+            streams_max,
             iface: setting("PLAIT_IFACE"),
             routes_file: setting("PLAIT_ROUTES"),
             wire,
@@ -642,6 +659,7 @@ mod tests {
         assert_eq!(default_of("PLAIT_SEGMENT_BYTES").parse::<usize>().unwrap(), DEFAULT_SEGMENT_BYTES);
         assert_eq!(default_of("PLAIT_CALLER_READ_BYTES").parse::<usize>().unwrap(), DEFAULT_CALLER_READ_BYTES);
         assert_eq!(default_of("PLAIT_STREAMS").parse::<usize>().unwrap(), DEFAULT_STREAMS);
+        assert_eq!(default_of("PLAIT_STREAMS_MAX").parse::<usize>().unwrap(), DEFAULT_STREAMS_MAX);
         assert_eq!(default_of("PLAIT_UNEXPECTED_BYTES").parse::<u64>().unwrap(), DEFAULT_UNEXPECTED_BYTES);
         assert_eq!(Wire::from_name(default_of("PLAIT_WIRE_DTYPE")), Some(Wire::Native));
     }
@@ -660,6 +678,7 @@ mod tests {
         for (name, texts) in [
             ("PLAIT_SEGMENT_BYTES", &["0", "1023", "1.5", "1e30", "18446744073709551616"][..]),
             ("PLAIT_STREAMS", &["0", "17", "1000", "-1"][..]),
+            ("PLAIT_STREAMS_MAX", &["0", "17", "2.5"][..]),
             ("PLAIT_CALLER_READ_BYTES", &["-1", "1e20"][..]),
             ("PLAIT_BUSY_POLL_US", &["-1", "18446744073709551615"][..]),
             ("PLAIT_TRACE_ENTRIES", &["-1", "2.5"][..]),
@@ -691,6 +710,7 @@ mod tests {
             CommConfig { rank: 2, ..ok.clone() },
             CommConfig { segment_bytes: 0, ..ok.clone() },
             CommConfig { streams: 1000, ..ok.clone() },
+            CommConfig { streams_max: 0, ..ok.clone() },
             CommConfig { busy_poll: Duration::MAX, ..ok.clone() },
         ];
         for cfg in bad {

@@ -10,7 +10,8 @@
 //! receives are posted (`PROBE_GO_TAG`), so frames land as they arrive and their arrival times
 //! are the link's; the rate is taken over the second half of the train's frames, after slow start.
 
-use super::config::Measure;
+use super::config::{Measure, MAX_STREAMS};
+use super::topology::LinkRecord;
 use crate::dtype::DType;
 use crate::error::Result;
 use crate::platform::host::same_host;
@@ -23,7 +24,7 @@ use std::time::{Duration, Instant};
 
 const FRAME: usize = PROBE_FRAME_BYTES as usize;
 /// Frames posted (receiver) or queued (sender) ahead.
-const AHEAD: usize = 8;
+const AHEAD: usize = 16;
 const MIN_FRAMES: usize = 8;
 pub(crate) const MIN_TRAIN: Duration = Duration::from_millis(30);
 pub(crate) const MAX_TRAIN: Duration = Duration::from_secs(1);
@@ -138,9 +139,132 @@ pub(crate) fn rate_of(arrivals: &[Instant], frame: usize) -> Option<f64> {
     (frames >= 2 && secs > 0.0).then(|| (frames * frame) as f64 / secs)
 }
 
+/// A connection counts as held back by its socket buffers when this share of the smaller of
+/// them is in flight (its rate times the round trip): the kernel keeps part of a buffer for its
+/// own bookkeeping (Linux about a quarter to a half), so a connection at its buffers' limit shows
+/// 0.5 to 0.75 of them in flight, and one limited by the link itself far less on any link whose
+/// bandwidth-delay product the buffers hold.
+const BUFFER_BOUND_SHARE: f64 = 0.4;
+
+/// A link within this factor of its interfaces' speed gains too little from more connections.
+const NEAR_SPEED: f64 = 1.2;
+
+/// Without an interface speed to stop at, a link held back by its buffers gets this many times
+/// its connections (within `PLAIT_STREAMS_MAX`).
+const UNKNOWN_SPEED_GROWTH: f64 = 4.0;
+
+/// The links whose connections are held back by their socket buffers (a long fat pipe: the
+/// bandwidth-delay product is past what one connection's buffers hold), with the connections
+/// each should have: `(i, j, lanes)` for ranks i < j. Enough connections for the slower of the
+/// two interfaces' speeds at the rate one connection reached, within both ends' `max_streams`.
+/// Pure, so every rank reaches the same plan from the same records.
+pub(crate) fn lanes_wanted(records: &[Vec<LinkRecord>]) -> Vec<(usize, usize, usize)> {
+    let rec = |r: usize, peer: usize| records.get(r)?.iter().find(|l| l.peer == peer);
+    let mut plan = Vec::new();
+    for i in 0..records.len() {
+        for j in i + 1..records.len() {
+            let (Some(a), Some(b)) = (rec(i, j), rec(j, i)) else { continue };
+            let now = a.streams.max(b.streams).max(1);
+            let most = a.max_streams.min(b.max_streams).min(MAX_STREAMS);
+            let want = [(a, b), (b, a)].into_iter().filter_map(|(tx, rx)| direction_lanes(tx, rx, now)).max();
+            if let Some(want) = want.map(|w| w.min(most)).filter(|&w| w > now) {
+                plan.push((i, j, want));
+            }
+        }
+    }
+    plan
+}
+
+/// The connections the direction from `tx`'s rank to `rx`'s wants, if its `lanes` connections
+/// are held back by their buffers (`BUFFER_BOUND_SHARE`).
+fn direction_lanes(tx: &LinkRecord, rx: &LinkRecord, lanes: usize) -> Option<usize> {
+    let rate = rx.rx_bytes_per_s?;
+    let rtt = tx.rtt_us.into_iter().chain(rx.rtt_us).fold(f64::NAN, f64::max) / 1e6;
+    let buffer = tx.send_buffer?.min(rx.recv_buffer?) as f64;
+    if !(rate > 0.0 && rtt > 0.0 && buffer > 0.0) {
+        return None;
+    }
+    let per_lane = rate / lanes as f64;
+    if per_lane * rtt < BUFFER_BOUND_SHARE * buffer {
+        return None;
+    }
+    let speed = match (tx.iface_bytes_per_s, rx.iface_bytes_per_s) {
+        (Some(a), Some(b)) => a.min(b),
+        (Some(a), None) | (None, Some(a)) => a,
+        (None, None) => rate * UNKNOWN_SPEED_GROWTH,
+    };
+    if speed < rate * NEAR_SPEED {
+        return None; // the link is about as fast as its interfaces already
+    }
+    Some((speed / per_lane).ceil().min(MAX_STREAMS as f64) as usize)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Rank `from`'s record of its link to `peer`: `rx_mbit` measured into `from`.
+    fn link(peer: usize, rtt_ms: f64, rx_mbit: f64, buffers: u64, iface_mbit: Option<f64>, max_streams: usize) -> LinkRecord {
+        LinkRecord {
+            rtt_us: Some(rtt_ms * 1e3),
+            rx_bytes_per_s: Some(rx_mbit * 1e6 / 8.0),
+            max_streams,
+            send_buffer: Some(buffers),
+            recv_buffer: Some(buffers),
+            iface_bytes_per_s: iface_mbit.map(|m| m * 1e6 / 8.0),
+            ..LinkRecord::connected(peer, "eth0".into(), String::new(), String::new(), false, String::new(), 1)
+        }
+    }
+
+    #[test]
+    fn a_long_fat_pipe_held_back_by_its_buffers_gets_connections() {
+        let mib = 1u64 << 20;
+        // 100 ms, 1 Gbit/s interfaces, 4 MiB buffers: one stream carries about 200 Mbit/s
+        // (2.5 MB in flight, 0.6 of the buffers). Enough streams for 1 Gbit/s at that rate: 5.
+        let wan = |max| vec![vec![link(1, 100.0, 200.0, 4 * mib, Some(1000.0), max)], vec![link(0, 100.0, 200.0, 4 * mib, Some(1000.0), max)]];
+        assert_eq!(lanes_wanted(&wan(8)), vec![(0, 1, 5)]);
+        assert_eq!(lanes_wanted(&wan(3)), vec![(0, 1, 3)], "held to PLAIT_STREAMS_MAX");
+        assert_eq!(lanes_wanted(&wan(1)), vec![], "PLAIT_STREAMS_MAX=1 adds none");
+        // The smaller of both ends' settings.
+        let mut mixed = wan(8);
+        mixed[1][0].max_streams = 2;
+        assert_eq!(lanes_wanted(&mixed), vec![(0, 1, 2)]);
+        // Only one direction held back is enough.
+        let mut one_way = wan(8);
+        one_way[0][0].rx_bytes_per_s = Some(10e6 / 8.0);
+        assert_eq!(lanes_wanted(&one_way), vec![(0, 1, 5)]);
+        // An unknown interface speed: four times the connections.
+        let mut unknown = wan(8);
+        unknown[0][0].iface_bytes_per_s = None;
+        unknown[1][0].iface_bytes_per_s = None;
+        assert_eq!(lanes_wanted(&unknown), vec![(0, 1, 4)]);
+    }
+
+    #[test]
+    fn links_their_buffers_hold_keep_one_connection() {
+        let mib = 1u64 << 20;
+        let pair = |rtt, mbit, buffers, iface| vec![vec![link(1, rtt, mbit, buffers, iface, 8)], vec![link(0, rtt, mbit, buffers, iface, 8)]];
+        // A slow WAN link: 50 Mbit/s at 100 ms is 625 KB in flight, far below 4 MiB.
+        assert_eq!(lanes_wanted(&pair(100.0, 50.0, 4 * mib, Some(1000.0))), vec![]);
+        // A LAN: 1 Gbit/s at 0.2 ms.
+        assert_eq!(lanes_wanted(&pair(0.2, 940.0, 4 * mib, Some(1000.0))), vec![]);
+        // Held back, but already at the interface's speed.
+        assert_eq!(lanes_wanted(&pair(100.0, 950.0, 16 * mib, Some(1000.0))), vec![]);
+        // Unknown buffers (Windows) or nothing measured: left alone.
+        let mut unknown = pair(100.0, 200.0, 4 * mib, Some(1000.0));
+        unknown[0][0].recv_buffer = None;
+        unknown[1][0].recv_buffer = None;
+        assert_eq!(lanes_wanted(&unknown), vec![]);
+        let mut unmeasured = pair(100.0, 200.0, 4 * mib, Some(1000.0));
+        unmeasured[0][0].rx_bytes_per_s = None;
+        unmeasured[1][0].rx_bytes_per_s = None;
+        assert_eq!(lanes_wanted(&unmeasured), vec![]);
+        // A link that already has the connections it wants.
+        let mut grown = pair(100.0, 1000.0, 4 * mib, Some(10_000.0));
+        grown[0][0].streams = 8;
+        grown[1][0].streams = 8;
+        assert_eq!(lanes_wanted(&grown), vec![]);
+    }
 
     #[test]
     fn the_rate_is_taken_after_slow_start() {

@@ -42,7 +42,7 @@ pub struct LinkRecord {
     pub local: String,
     pub remote: String,
     pub same_host: bool,
-    /// Connect plus handshake round trip, measured by the rank that connected.
+    /// The link's round trip, measured by this rank at start-up (the best of a few pings).
     pub rtt_us: Option<f64>,
     pub reason: String,
     /// TCP connections to this peer (`PLAIT_STREAMS`).
@@ -51,6 +51,41 @@ pub struct LinkRecord {
     /// Bytes per second from the peer to this rank, measured at start-up (`PLAIT_MEASURE`).
     #[serde(default)]
     pub rx_bytes_per_s: Option<f64>,
+    /// The most connections this rank lets start-up open to the peer (`PLAIT_STREAMS_MAX`, and
+    /// `streams` for a link kept from an elastic view before).
+    #[serde(default = "one")]
+    pub max_streams: usize,
+    /// The most bytes one connection's socket buffers hold on this side, sending and receiving:
+    /// the size set for the link, or how far the system's autotuning grows them (None: unknown).
+    #[serde(default)]
+    pub send_buffer: Option<u64>,
+    #[serde(default)]
+    pub recv_buffer: Option<u64>,
+    /// The speed of this rank's interface for the link, in bytes per second (None: unknown, as
+    /// for loopback).
+    #[serde(default)]
+    pub iface_bytes_per_s: Option<f64>,
+}
+
+impl LinkRecord {
+    /// A link as connected, before anything is measured.
+    pub fn connected(peer: usize, local_iface: String, local: String, remote: String, same_host: bool, reason: String, streams: usize) -> LinkRecord {
+        LinkRecord {
+            peer,
+            local_iface,
+            local,
+            remote,
+            same_host,
+            rtt_us: None,
+            reason,
+            streams,
+            rx_bytes_per_s: None,
+            max_streams: streams,
+            send_buffer: None,
+            recv_buffer: None,
+            iface_bytes_per_s: None,
+        }
+    }
 }
 
 fn one() -> usize {
@@ -187,7 +222,7 @@ mod tests {
     use super::*;
 
     fn rec(peer: usize, iface: &str, same_host: bool) -> LinkRecord {
-        LinkRecord { peer, local_iface: iface.into(), local: String::new(), remote: String::new(), same_host, rtt_us: None, reason: String::new(), streams: 1, rx_bytes_per_s: None }
+        LinkRecord::connected(peer, iface.into(), String::new(), String::new(), same_host, String::new(), 1)
     }
 
     #[test]

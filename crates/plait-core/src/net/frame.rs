@@ -82,7 +82,9 @@ pub const PONG_TAG: u64 = u64::MAX - 1;
 /// `PROBE_FRAME_BYTES`, sent once the receiver says it is ready with a `PROBE_GO_TAG` word.
 pub const PROBE_TAG: u64 = u64::MAX - 2;
 pub const PROBE_GO_TAG: u64 = u64::MAX - 3;
-pub const PROBE_FRAME_BYTES: u64 = 64 * 1024;
+/// Larger than the 64 KiB a link always sends on its first connection, so a train spreads over
+/// every connection of a link that has several.
+pub const PROBE_FRAME_BYTES: u64 = 256 * 1024;
 
 /// What names one collective call on the wire. A receiver compares it with its own call's, so
 /// ranks that disagree about the call (collective, dtype, op, root, algorithm, counts) fail

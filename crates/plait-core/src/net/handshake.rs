@@ -13,7 +13,9 @@
 //! Lengths are bounded (1 KiB) so garbage cannot make either side allocate much.
 //!
 //! A pair of ranks may open several connections ("lanes", `PLAIT_STREAMS`): each hello names its
-//! lane, and both sides must agree on how many there are.
+//! lane, and both sides must agree on how many there are. Start-up may add lanes to a link one
+//! stream cannot fill (`PLAIT_STREAMS_MAX`): their hellos name a lane past the agreed count and the
+//! link's new count.
 //!
 //! The hello itself proves nothing: the Noise handshake that follows it (`auth`) proves that each
 //! end holds the key its rank published, and binds the hello's fields to that proof.
@@ -85,7 +87,7 @@ pub(super) fn check_hello(h: &Hello, e: &Hello) -> Option<String> {
         format!("sender rank {} out of range for world size {}", h.from, e.world)
     } else if h.from <= me {
         format!("rank {} must listen for rank {me}, not connect to it (the higher rank connects)", h.from)
-    } else if h.lanes != e.lanes {
+    } else if h.lanes != e.lanes && !(h.lane >= e.lanes && h.lanes > e.lanes) {
         format!(
             "rank {} opens {} connection(s) per peer, this rank {} (set PLAIT_STREAMS the same on every rank)",
             h.from, h.lanes, e.lanes

@@ -13,7 +13,7 @@ pub mod peer;
 mod reader;
 pub mod route;
 pub mod seal;
-mod tuning;
+pub mod tuning;
 mod wait;
 #[cfg(test)]
 mod handshake_fuzz;

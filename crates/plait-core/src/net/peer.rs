@@ -11,7 +11,7 @@ use super::reader::ReadSide;
 use super::seal::{Sealer, RECORD_MAX};
 pub use super::wait::CallerPoll;
 use crossbeam_channel::{Receiver, Sender};
-use parking_lot::Mutex;
+use parking_lot::{Mutex, RwLock};
 use std::io::{self, Read, Write};
 use std::net::{Shutdown, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -101,7 +101,11 @@ impl Drop for SendReq {
 /// reader hears them before it sees that lane close.
 pub struct PeerLink {
     pub addr: String,
-    lanes: Vec<Lane>,
+    peer: usize,
+    inbox: Arc<dyn Inbox>,
+    heartbeat: Duration,
+    /// Grows (never shrinks) when start-up adds lanes to a link one stream cannot fill.
+    lanes: RwLock<Vec<Lane>>,
     /// Which lane the next large payload takes.
     next_lane: AtomicUsize,
     epoch_start: Instant,
@@ -137,17 +141,48 @@ impl PeerLink {
         heartbeat: Duration,
     ) -> io::Result<Arc<PeerLink>> {
         assert!(!streams.is_empty(), "a peer link needs at least one connection");
-        let epoch_start = Instant::now();
-        let closing = Arc::new(AtomicBool::new(false));
-        let deaf = Arc::new(AtomicBool::new(false));
-        let mut lanes = Vec::with_capacity(streams.len());
+        let link = Arc::new(PeerLink {
+            addr,
+            peer,
+            inbox,
+            heartbeat,
+            lanes: RwLock::new(Vec::with_capacity(streams.len())),
+            next_lane: AtomicUsize::new(0),
+            epoch_start: Instant::now(),
+            deaf: Arc::new(AtomicBool::new(false)),
+            closing: Arc::new(AtomicBool::new(false)),
+            threads: Mutex::new(Vec::new()),
+        });
+        link.start_lanes(streams)?;
+        Ok(link)
+    }
+
+    /// Starts more lanes on a running link (start-up found one TCP stream cannot fill it). The
+    /// peer adds the same lanes at the same time; the new lanes carry large payloads from the
+    /// next frame on. `caller_mode` and `poll`: as the link's other lanes are read (see
+    /// `Session::add_lanes`).
+    pub fn add_lanes(&self, streams: Vec<LinkStream>, caller_mode: bool, poll: &CallerPoll) -> io::Result<()> {
+        for read in self.start_lanes(streams)? {
+            if caller_mode {
+                read.set_caller_mode(true);
+            }
+            poll.add(&read)?;
+        }
+        Ok(())
+    }
+
+    fn start_lanes(&self, streams: Vec<LinkStream>) -> io::Result<Vec<Arc<ReadSide>>> {
+        let mut started = Vec::with_capacity(streams.len());
         let mut threads = Vec::new();
-        for (i, LinkStream { stream, cipher }) in streams.into_iter().enumerate() {
+        let first = self.lanes.read().len();
+        for (k, LinkStream { stream, cipher }) in streams.into_iter().enumerate() {
+            let i = first + k;
             let (seal, open) = cipher.map(|c| (c.seal, c.open)).unzip();
             let (queue, queue_rx) = crossbeam_channel::unbounded();
             let (urgent, urgent_rx) = crossbeam_channel::unbounded();
             let (wake_sender, wake_rx) = crossbeam_channel::bounded(1);
-            let last_rx = Arc::new(AtomicU64::new(0));
+            // A lane starts as heard from now, not at the link's start.
+            let last_rx = Arc::new(AtomicU64::new(self.epoch_start.elapsed().as_nanos() as u64));
             let writer = Arc::new(Mutex::new(Writer {
                 stream: stream.try_clone()?,
                 scratch: Vec::with_capacity(HEADER_LEN + EAGER_MAX),
@@ -155,39 +190,43 @@ impl PeerLink {
                 failed: None,
                 seal,
             }));
-            let read = ReadSide::new(peer, stream.try_clone()?, inbox.clone(), heartbeat, last_rx.clone(), epoch_start, deaf.clone(), open)?;
-            let (w, c) = (writer.clone(), closing.clone());
+            let read = ReadSide::new(
+                self.peer,
+                stream.try_clone()?,
+                self.inbox.clone(),
+                self.heartbeat,
+                last_rx.clone(),
+                self.epoch_start,
+                self.deaf.clone(),
+                open,
+            )?;
+            let (w, c, heartbeat) = (writer.clone(), self.closing.clone(), self.heartbeat);
             let suffix = if i == 0 { String::new() } else { format!(".{i}") };
             threads.push(
                 std::thread::Builder::new()
-                    .name(format!("plait-send-{peer}{suffix}"))
+                    .name(format!("plait-send-{}{suffix}", self.peer))
                     .spawn(move || send_loop_guarded(w, queue_rx, urgent_rx, wake_rx, heartbeat, c))?,
             );
             let r = read.clone();
-            threads.push(std::thread::Builder::new().name(format!("plait-recv-{peer}{suffix}")).spawn(move || r.run_guarded())?);
-            lanes.push(Lane { stream, writer, queue, urgent, last_rx, read, wake_sender });
+            threads.push(std::thread::Builder::new().name(format!("plait-recv-{}{suffix}", self.peer)).spawn(move || r.run_guarded())?);
+            started.push(read.clone());
+            self.lanes.write().push(Lane { stream, writer, queue, urgent, last_rx, read, wake_sender });
         }
-        Ok(Arc::new(PeerLink {
-            addr,
-            lanes,
-            next_lane: AtomicUsize::new(0),
-            epoch_start,
-            deaf,
-            closing,
-            threads: Mutex::new(threads),
-        }))
+        self.threads.lock().extend(threads);
+        Ok(started)
     }
 
     pub fn lanes(&self) -> usize {
-        self.lanes.len()
+        self.lanes.read().len()
     }
 
     /// Sizes every lane's socket buffers for a link of `bdp_bytes` in flight (see
     /// `tuning::fit_buffers_to_bdp`); returns the size set, if any.
     pub fn fit_buffers_to_bdp(&self, bdp_bytes: usize) -> Option<usize> {
-        let per_lane = bdp_bytes.div_ceil(self.lanes.len());
+        let lanes = self.lanes.read();
+        let per_lane = bdp_bytes.div_ceil(lanes.len());
         let mut set = None;
-        for lane in &self.lanes {
+        for lane in lanes.iter() {
             set = super::tuning::fit_buffers_to_bdp(&lane.stream, per_lane);
         }
         set
@@ -195,27 +234,30 @@ impl PeerLink {
 
     /// Queues a frame. `done` runs once it is written (or failed): on this thread when the
     /// frame is small and its lane idle, else on that lane's sender thread.
-    pub fn send(&self, mut req: SendReq) {
+    pub fn send(&self, req: SendReq) {
         let small = req.data.len <= EAGER_MAX;
-        let lane = if small || self.lanes.len() == 1 {
-            &self.lanes[0]
-        } else {
-            &self.lanes[self.next_lane.fetch_add(1, Ordering::Relaxed) % self.lanes.len()]
+        // `done` runs with the lanes unlocked: it may send again.
+        let (result, req) = {
+            let lanes = self.lanes.read();
+            let lane = if small || lanes.len() == 1 {
+                &lanes[0]
+            } else {
+                &lanes[self.next_lane.fetch_add(1, Ordering::Relaxed) % lanes.len()]
+            };
+            let written = (small && lane.queue.is_empty() && lane.urgent.is_empty())
+                .then(|| lane.writer.try_lock().map(|mut w| w.write(&req)))
+                .flatten();
+            match written {
+                Some(result) => (result, req),
+                None => match lane.queue.send(req) {
+                    Ok(()) => return,
+                    Err(e) => (Err(io::Error::new(io::ErrorKind::BrokenPipe, "link is closed")), e.into_inner()),
+                },
+            }
         };
-        if small && lane.queue.is_empty() && lane.urgent.is_empty() {
-            if let Some(mut w) = lane.writer.try_lock() {
-                let result = w.write(&req);
-                drop(w);
-                if let Some(done) = req.done.take() {
-                    done(result);
-                }
-                return;
-            }
-        }
-        if let Err(e) = lane.queue.send(req) {
-            if let Some(done) = e.into_inner().done.take() {
-                done(Err(io::Error::new(io::ErrorKind::BrokenPipe, "link is closed")));
-            }
+        let mut req = req;
+        if let Some(done) = req.done.take() {
+            done(result);
         }
     }
 
@@ -237,12 +279,13 @@ impl PeerLink {
             first_error: Option<io::Error>,
             done: Option<SendDone>,
         }
-        let fanout = Arc::new(Mutex::new(Fanout { payload, lanes_left: self.lanes.len(), first_error: None, done }));
+        let lanes = self.lanes.read();
+        let fanout = Arc::new(Mutex::new(Fanout { payload, lanes_left: lanes.len(), first_error: None, done }));
         let data = {
             let f = fanout.lock();
             SendBuf { ptr: f.payload.as_ptr(), len: f.payload.len() }
         };
-        for lane in &self.lanes {
+        for lane in lanes.iter() {
             let fanout = fanout.clone();
             let on_written: SendDone = Box::new(move |r: io::Result<()>| {
                 let mut f = fanout.lock();
@@ -266,7 +309,7 @@ impl PeerLink {
     /// Time since anything (data or heartbeat) arrived on the most silent lane to this peer.
     pub fn silent_for(&self) -> Duration {
         let now = self.epoch_start.elapsed();
-        let last = self.lanes.iter().map(|l| l.last_rx.load(Ordering::Relaxed)).min().unwrap_or(0);
+        let last = self.lanes.read().iter().map(|l| l.last_rx.load(Ordering::Relaxed)).min().unwrap_or(0);
         now.saturating_sub(Duration::from_nanos(last))
     }
 
@@ -274,7 +317,7 @@ impl PeerLink {
     /// control frames queued for it can still go out before the connection closes.
     pub fn stop_reading(&self) {
         self.deaf.store(true, Ordering::SeqCst);
-        for lane in &self.lanes {
+        for lane in self.lanes.read().iter() {
             let _ = lane.stream.shutdown(Shutdown::Read);
             lane.read.wake();
         }
@@ -282,12 +325,12 @@ impl PeerLink {
 
     /// Registers every lane with the poll that threads waiting for small operations use.
     pub fn join_caller_poll(&self, poll: &CallerPoll) -> io::Result<()> {
-        self.lanes.iter().try_for_each(|lane| poll.add(&lane.read))
+        self.lanes.read().iter().try_for_each(|lane| poll.add(&lane.read))
     }
 
     /// Lets the thread waiting for a small operation read this link itself (see `reader`).
     pub fn set_caller_mode(&self, on: bool) {
-        for lane in &self.lanes {
+        for lane in self.lanes.read().iter() {
             lane.read.set_caller_mode(on);
         }
     }
@@ -299,7 +342,7 @@ impl PeerLink {
     /// socket (flow control parks it there) would be lost. Returns once every lane's receiver has
     /// seen the end, or at `deadline`.
     pub fn linger(&self, deadline: Instant) {
-        for lane in &self.lanes {
+        for lane in self.lanes.read().iter() {
             while !(lane.queue.is_empty() && lane.urgent.is_empty()) && Instant::now() < deadline {
                 std::thread::sleep(Duration::from_millis(1));
             }
@@ -320,7 +363,7 @@ impl PeerLink {
     pub fn shutdown(&self) {
         self.deaf.store(true, Ordering::SeqCst);
         self.closing.store(true, Ordering::SeqCst);
-        for lane in &self.lanes {
+        for lane in self.lanes.read().iter() {
             let _ = lane.stream.shutdown(Shutdown::Both);
             lane.read.wake();
             let _ = lane.wake_sender.try_send(());

@@ -30,6 +30,14 @@ pub fn tune_stream(s: &TcpStream) -> io::Result<()> {
     Ok(())
 }
 
+/// The most bytes one data connection's buffers hold, sending and receiving, as `tune_stream`
+/// leaves them: its fixed size where it sets one, else how far autotuning grows them (None:
+/// unknown).
+pub fn stream_buffer_limits() -> (Option<usize>, Option<usize>) {
+    let (auto, cap) = (sockbuf::autotuning_max(), sockbuf::system_cap());
+    (fixed_buffer(LINK_BUF, auto.send, cap.send).or(auto.send), fixed_buffer(LINK_BUF, auto.recv, cap.recv).or(auto.recv))
+}
+
 /// Raises both socket buffers of a data link to twice its bandwidth-delay product where the
 /// system's autotuning could not reach that and its cap allows more (`fixed_buffer`, with the
 /// smaller of the two directions' limits). Returns the buffer size set, if any. A link whose

@@ -162,6 +162,13 @@ impl Session {
         link.join_caller_poll(&self.reading.callers)
     }
 
+    /// Adds lanes to the running link to `peer`, read as its other lanes are.
+    pub fn add_lanes(&self, peer: usize, streams: Vec<crate::net::auth::LinkStream>) -> std::io::Result<()> {
+        let _switching = self.reading.switch.lock();
+        let on = self.reading.on.load(Ordering::Acquire);
+        self.link(peer).add_lanes(streams, on, &self.reading.callers)
+    }
+
     pub fn link(&self, peer: usize) -> &PeerLink {
         self.links[peer].as_deref().expect("no link to self")
     }

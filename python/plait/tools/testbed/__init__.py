@@ -10,7 +10,9 @@
   same name and addresses as a veth cable, and a forwarder process (`_wan_forwarder.py`, one per
   cable, living in node i's namespace) that holds every packet for the delay and paces it to the
   rate. The nodes of such a testbed get TCP buffer limits (tcp_rmem/tcp_wmem max) that fit the
-  largest bandwidth-delay product.
+  largest bandwidth-delay product, or (`tcp_buffers="stock"`) the limits a stock Linux install
+  has, 6 MiB and 4 MiB, that one stream cannot fill a long fat cable with (or `tcp_buffers=N`
+  bytes).
 - a shared, slower "office LAN": a bridge in its own namespace `<name>-lan`, one port per node,
   `10.99.0.0/24` (node i is `10.99.0.<i+1>`, interface `lan0`), rate-limited at `lan_rate` in both
   directions of every port (a switch with `lan_rate` ports).
@@ -210,8 +212,11 @@ class Testbed:
     __test__ = False
 
     def __init__(self, nodes, *, link_rate="1gbit", lan_rate="100mbit", name="plaitbed", mtu=None,
-                 mtu_ends=None, links=None, node_addrs=False, wan=None):
+                 mtu_ends=None, links=None, node_addrs=False, wan=None, tcp_buffers="fit"):
         self.name = _check_name(name)
+        if tcp_buffers not in ("fit", "stock") and not (isinstance(tcp_buffers, int) and tcp_buffers >= 4096):
+            raise TestbedError(f"tcp_buffers must be 'fit', 'stock' or a number of bytes (at least 4096), got {tcp_buffers!r}")
+        self.tcp_buffers = tcp_buffers
         self.n = int(nodes)
         if not 2 <= self.n <= MAX_NODES:
             raise TestbedError(f"--nodes must be between 2 and {MAX_NODES}, got {nodes}")
@@ -406,13 +411,20 @@ class Testbed:
     def _tcp_buffers(self):
         """Every node's TCP autotuning may grow a socket's buffers to 4x the largest bandwidth-delay
         product (+ queue) of the WAN cables: a stream fills a long fat cable without setting
-        SO_SNDBUF/SO_RCVBUF. (tcp_rmem/tcp_wmem are per namespace; the root namespace is untouched.)"""
+        SO_SNDBUF/SO_RCVBUF. With tcp_buffers="stock", the nodes get a stock Linux kernel's limits
+        instead (what most users' machines have); with a number, that maximum (a default no larger).
+        (tcp_rmem/tcp_wmem are per namespace; the root namespace is untouched.)"""
         for which in ("tcp_rmem", "tcp_wmem"):
-            try:
-                lo, default, hi = (int(x) for x in Path(f"/proc/sys/net/ipv4/{which}").read_text().split())
-            except (OSError, ValueError):
-                lo, default, hi = 4096, 131072, 0
-            value = f"{lo} {default} {_wan.tcp_buffer_max(self.wan, hi)}"
+            if self.tcp_buffers == "stock":
+                value = _wan.STOCK_TCP_BUFFERS[which]
+            elif isinstance(self.tcp_buffers, int):
+                value = f"4096 {min(self.tcp_buffers, 131072)} {self.tcp_buffers}"
+            else:
+                try:
+                    lo, default, hi = (int(x) for x in Path(f"/proc/sys/net/ipv4/{which}").read_text().split())
+                except (OSError, ValueError):
+                    lo, default, hi = 4096, 131072, 0
+                value = f"{lo} {default} {_wan.tcp_buffer_max(self.wan, hi)}"
             for i in range(self.n):
                 _run(["ip", "netns", "exec", self.ns(i), "sh", "-c", f'echo "$0" > /proc/sys/net/ipv4/{which}', value])
 

@@ -57,8 +57,10 @@ def _plait(args, rank, n):
 
 
 def _plait_p2p(args, rank, n):
-    """Rank 0 sends `--bytes` to rank 1, `--iters` times after `--warmup`; each time is the
-    receiver's, from a barrier to the last byte (rank 1's times are the ones that count)."""
+    """Rank 0 sends `--bytes` to rank 1 (`--op p2p`: one message; `--op broadcast`: a broadcast
+    from rank 0, which goes in pipeline segments, spread over every connection of a link),
+    `--iters` times after `--warmup`; each time is the receiver's, from a barrier to the last byte
+    (rank 1's times are the ones that count)."""
     import plait
     from plait.tools.doctor import DoctorStore
 
@@ -70,16 +72,20 @@ def _plait_p2p(args, rank, n):
         for i in range(args.warmup + args.iters):
             comm.barrier()
             t0 = time.perf_counter()
-            if rank == 0:
+            if rank != 0:
+                buf[:] = 0
+            if args.op == "broadcast":
+                comm.broadcast(buf, root=0)
+            elif rank == 0:
                 comm.send(buf, 1)
             elif rank == 1:
-                buf[:] = 0
                 comm.recv(buf, 0)
-                ok = ok and bool(buf[0] == 7 and buf[-1] == 7)
+            if rank != 0:
+                ok = ok and bool(buf[0] == 7 and buf[-1] == 7 and buf[len(buf) // 2] == 7)
             if i >= args.warmup:
                 times.append(time.perf_counter() - t0)
         comm.barrier()
-        return {"times": times, "ok": ok, "algo": "send/recv", "routes": _routes(comm), "topology": None,
+        return {"times": times, "ok": ok, "algo": "send/recv" if args.op == "p2p" else "broadcast", "routes": _routes(comm), "topology": None,
                 "links": comm.link_matrix(), "streams": comm.routes()[0]["streams"] if comm.routes() else None}
     finally:
         comm.close()
@@ -126,12 +132,12 @@ def main(argv=None):
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--timeout", type=float, default=120.0)
-    p.add_argument("--op", choices=("allreduce", "p2p"), default="allreduce",
-                   help="p2p: rank 0 sends --bytes to rank 1 (plait only)")
+    p.add_argument("--op", choices=("allreduce", "p2p", "broadcast"), default="allreduce",
+                   help="p2p: rank 0 sends --bytes to rank 1; broadcast: rank 0 broadcasts them (both plait only)")
     args = p.parse_args(argv)
     rank, n = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     try:
-        if args.op == "p2p":
+        if args.op in ("p2p", "broadcast"):
             res = _plait_p2p(args, rank, n)
         else:
             res = (_plait if args.lib == "plait" else _gloo)(args, rank, n)

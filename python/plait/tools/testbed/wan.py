@@ -331,6 +331,11 @@ def bdp_bytes(cables):
     return worst
 
 
+# A stock Linux kernel's autotuning limits (min, default, max bytes): one TCP stream there keeps at
+# most about 4 MiB in flight, a quarter of a 100 ms, 1 Gbit/s cable's bandwidth-delay product.
+STOCK_TCP_BUFFERS = {"tcp_rmem": "4096 131072 6291456", "tcp_wmem": "4096 16384 4194304"}
+
+
 def tcp_buffer_max(cables, current_max):
     """tcp_rmem/tcp_wmem max for the nodes of a testbed with these cables: 4x the largest
     (bandwidth-delay product + queue), at least 16 MiB and the system's, at most 256 MiB."""

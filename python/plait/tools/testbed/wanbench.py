@@ -58,32 +58,44 @@ def bench_wan(spec, *, nodes, nbytes, iters, timeout, gloo=True, name="plaitwan"
     return out
 
 
-def bench_pipe(spec, *, nbytes, iters, timeout, streams=(1, 2, 4), name="plaitwan", log=print):
-    """Rank 0 sends nbytes to rank 1 over one WAN cable, with each number of TCP streams."""
-    out = {"nodes": 2, "bytes": nbytes, "wan": spec, "runs": []}
+PIPE_RUNS = (("p2p", {"PLAIT_STREAMS_MAX": "1"}, "send/recv, one stream (PLAIT_STREAMS_MAX=1)"),
+             ("p2p", {}, "send/recv, streams as start-up chose"),
+             ("broadcast", {"PLAIT_STREAMS_MAX": "1"}, "broadcast, one stream (PLAIT_STREAMS_MAX=1)"),
+             ("broadcast", {}, "broadcast, streams as start-up chose"))
+
+
+def bench_pipe(spec, *, nbytes, iters, timeout, name="plaitwan", log=print, tcp_buffers="fit"):
+    """Rank 0 sends nbytes to rank 1 over one WAN cable: one message (send/recv) and a broadcast
+    (pipelined in segments, spread over every connection), each with one TCP stream and with the
+    streams start-up opens on its own (PLAIT_STREAMS_MAX)."""
+    out = {"nodes": 2, "bytes": nbytes, "wan": spec, "runs": [], "tcp_buffers": tcp_buffers}
     (a, b), (there, back) = next(iter(_wan.parse_wan(spec).items()))
     out["rate_bits_per_s"] = there.rate
-    with Testbed(2, wan=spec, name=name) as tb:
-        for k in streams:
-            log(f"plait send/recv, {k} stream(s) ({iters} x {nbytes / 2**20:g} MiB) ...")
-            r = measure(tb, "plait", nbytes=nbytes, iters=iters, warmup=1, timeout=timeout, op="p2p",
-                        env={"PLAIT_STREAMS": str(k)})
-            out["runs"].append(dict(r, config=f"plait send/recv, PLAIT_STREAMS={k}", streams=k))
+    with Testbed(2, wan=spec, name=name, tcp_buffers=tcp_buffers) as tb:
+        for op, env, config in PIPE_RUNS:
+            log(f"plait {config} ({iters} x {nbytes / 2**20:g} MiB) ...")
+            r = measure(tb, "plait", nbytes=nbytes, iters=iters, warmup=1, timeout=timeout, op=op,
+                        env=dict(env, PLAIT_MEASURE="1"))
+            streams = [x.get("streams") for x in (r["routes"].get(1) or [])]
+            out["runs"].append(dict(r, config=f"plait {config}", op=op, streams=streams[0] if streams else None))
     return out
 
 
 def report_pipe(res, console):
     rate = res["rate_bits_per_s"]
     possible = _wan.goodput(rate) if rate else None
-    t = Table(title=f"one transfer of {res['bytes'] / 2**20:g} MiB over one WAN cable ({res['wan']}), receiver's median")
-    for c in ("configuration", "time", "Mbit/s", "of the cable's TCP goodput"):
+    buffers = "TCP buffers fitted to the cable" if res.get("tcp_buffers", "fit") == "fit" else "stock TCP buffers"
+    t = Table(title=f"one transfer of {res['bytes'] / 2**20:g} MiB over one WAN cable ({res['wan']}, {buffers}), "
+                    "receiver's median")
+    for c in ("configuration", "streams", "time", "Mbit/s", "of the cable's TCP goodput"):
         t.add_column(c, justify="left" if c == "configuration" else "right")
     for r in res["runs"]:
         if not r["ok"] or not r["t"]:
-            t.add_row(r["config"], "[red]FAILED", "", "")
+            t.add_row(r["config"], "", "[red]FAILED", "", "")
             continue
         bps = res["bytes"] * 8 / r["t"]
-        t.add_row(r["config"], f"{r['t'] * 1e3:.0f} ms", f"{bps / 1e6:.0f}", f"{bps / possible:.2f}" if possible else "")
+        t.add_row(r["config"], str(r.get("streams") or ""), f"{r['t'] * 1e3:.0f} ms", f"{bps / 1e6:.0f}",
+                  f"{bps / possible:.2f}" if possible else "")
     console.print(t)
     for r in res["runs"]:
         if r["err"]:
@@ -140,7 +152,11 @@ def main(argv=None):
     p.add_argument("--name", default="plaitwan")
     p.add_argument("--pipe", action="store_true",
                    help=f"instead: one transfer (default 256 MiB) over one long fat cable ({PIPE_WAN} unless --wan "
-                        "names another), with 1, 2 and 4 TCP streams")
+                        "names another), as one message and as a broadcast, with one TCP stream and with the "
+                        "streams start-up opens on its own")
+    p.add_argument("--stock-buffers", action="store_true",
+                   help="give the nodes a stock Linux kernel's TCP buffer limits (tcp_rmem max 6 MiB, tcp_wmem "
+                        "max 4 MiB) instead of limits fitted to the cables")
     add_json_option(p)
     args = p.parse_args(argv)
     if args.pipe:
@@ -158,7 +174,8 @@ def main(argv=None):
     log = lambda m: console.print(f"[dim]{m}", highlight=False)  # noqa: E731
     try:
         if args.pipe:
-            res = bench_pipe(args.wan, nbytes=nbytes, iters=args.iters, timeout=args.timeout, name=args.name, log=log)
+            res = bench_pipe(args.wan, nbytes=nbytes, iters=args.iters, timeout=args.timeout, name=args.name, log=log,
+                             tcp_buffers="stock" if args.stock_buffers else "fit")
         else:
             res = bench_wan(args.wan, nodes=args.nodes, nbytes=nbytes, iters=args.iters, timeout=args.timeout,
                             gloo=not args.no_gloo, name=args.name, log=log)
