@@ -83,6 +83,32 @@ def test_topology_measures_links_predicts_and_benches_every_allreduce_algorithm(
     assert proc.returncode == 2 and "RANK" in proc.stderr and "--local 3" in proc.stderr, proc.stderr
 
 
+def test_topology_fits_the_cost_model_and_its_setting_gives_the_fitted_predictions(tmp_path):
+    """`plait topology --local 2 --fit`: the constants fitted to the measured runs come with the
+    PLAIT_COST_MODEL text that uses them; a new world given that text predicts what the fit said
+    it would (the setting carries the fit whole), and a malformed one is refused in words."""
+    env = dict(os.environ, PLAIT_MEASURE="0", COLUMNS="120")
+    cmd = CLI + ["topology", "--local", "2", "--fit", "--sizes", "4K,1M", "--iters", "2", "--json", "-"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rep = json.loads(proc.stdout)
+    fit = rep["fit"]
+    assert fit["setting"].startswith("alpha=") and "parallelism=" in fit["setting"], fit
+    assert fit["error_after"] <= fit["error_before"] and len(fit["after"]) == len(rep["rows"]), fit
+    env["PLAIT_COST_MODEL"] = fit["setting"]
+    proc = subprocess.run(CLI + ["topology", "--local", "2", "--sizes", "4K,1M", "--json", "-"], capture_output=True,
+                          text=True, timeout=180, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    again = json.loads(proc.stdout)
+    assert again["cost_model"] == fit["setting"]
+    for old, new in zip(rep["rows"], again["rows"]):
+        assert new["predicted_s"] == pytest.approx(old["fitted_s"], rel=2e-3), (old, new)
+    env["PLAIT_COST_MODEL"] = "alpha=fast"
+    proc = subprocess.run(CLI + ["topology", "--local", "2", "--sizes", "4K"], capture_output=True, text=True,
+                          timeout=180, env=env)
+    assert proc.returncode != 0 and "PLAIT_COST_MODEL" in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the testbed is Linux-only")
 def test_testbed_status_json_to_stdout_or_a_file(tmp_path):
     proc = _plait(["testbed", "status", "--json", "-"], timeout=60)

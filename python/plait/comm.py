@@ -147,6 +147,13 @@ class Communicator:
         its own latency and rate."""
         return self._comm.predict(coll, nbytes, root, algo)
 
+    def fit_cost_model(self, runs: List[Tuple[str, str, int, float]]) -> Dict[str, Any]:
+        """The cost model's constants fitted to measured runs `(coll, algo, nbytes, seconds)`:
+        `{"setting": the PLAIT_COST_MODEL text that uses them, "alpha", "bandwidth", "gamma",
+        "before", "after"}` (each run's prediction with the constants in use and with the fitted
+        ones). Local to this rank; `plait topology --fit` measures the runs and calls it."""
+        return self._comm.fit_cost_model(runs)
+
     def routes(self) -> List[Dict[str, Any]]:
         """Per peer: the local and remote address and interface used, why, the start-up RTT, the
         number of TCP streams (`PLAIT_STREAMS`) and the rate measured from that peer (`rx_bytes_per_s`,

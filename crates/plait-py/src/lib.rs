@@ -598,6 +598,23 @@ impl PyComm {
         self.comm.predict(collective(coll)?, nbytes, root, algo.as_deref()).map_err(to_py)
     }
 
+    /// The cost model's constants fitted to measured runs, a list of (coll, algo, nbytes,
+    /// seconds): {"setting": PLAIT_COST_MODEL text, "alpha", "bandwidth", "gamma", "before",
+    /// "after": each run's prediction with the constants in use and with the fitted ones}.
+    fn fit_cost_model<'py>(&self, py: Python<'py>, runs: Vec<(Named, String, usize, f64)>) -> PyResult<Bound<'py, PyDict>> {
+        let runs = runs.into_iter().map(|(c, a, n, t)| Ok((collective(c)?, a, n, t))).collect::<PyResult<Vec<_>>>()?;
+        let fit = py.allow_threads(|| self.comm.fit_cost_model(&runs)).map_err(to_py)?;
+        let d = PyDict::new(py);
+        d.set_item("setting", fit.setting)?;
+        d.set_item("alpha", fit.alpha)?;
+        d.set_item("bandwidth", fit.bandwidth)?;
+        d.set_item("gamma", fit.gamma)?;
+        d.set_item("parallelism", fit.parallelism)?;
+        d.set_item("before", fit.before)?;
+        d.set_item("after", fit.after)?;
+        Ok(d)
+    }
+
     fn routes<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyDict>>> {
         self.comm
             .routes()
@@ -612,6 +629,7 @@ impl PyComm {
                 d.set_item("same_host", r.same_host)?;
                 d.set_item("rtt_us", r.rtt_us)?;
                 d.set_item("streams", r.streams)?;
+                d.set_item("max_streams", r.max_streams)?;
                 d.set_item("rx_bytes_per_s", r.rx_bytes_per_s)?;
                 Ok(d)
             })

@@ -61,7 +61,8 @@ def measure_world(comm, sizes, bench, iters):
                 row["measured_s"] = float(comm.allreduce(mine, op="max")[0])
             rows.append(row)
     return {"world_size": comm.world_size, "topology": comm.topology(), "links": comm.link_matrix(),
-            "ring_order": comm.ring_order(), "rows": rows}
+            "ring_order": comm.ring_order(), "rows": rows, "cost_model": os.environ.get("PLAIT_COST_MODEL") or None,
+            "error_factor": error_factor((r["predicted_s"], r["measured_s"]) for r in rows) if bench else None}
 
 
 def print_report(rep, console=None):
@@ -102,6 +103,24 @@ def print_report(rep, console=None):
             cells += [_ms(m), f"{m / r['predicted_s']:.2f}" if m and r["predicted_s"] else ""]
         t.add_row(*cells)
     console.print(t)
+    if rep.get("error_factor"):
+        console.print(f"typical error factor of the predictions: {rep['error_factor']:.2f} (constants: "
+                      f"{rep.get('cost_model') or 'the defaults'})", highlight=False)
+    fit = rep.get("fit")
+    if fit:
+        t = Table(title="measured / predicted, with the constants in use and with the fitted ones", title_justify="left")
+        for c in ("size", "algorithm", "measured", "in use", "fitted"):
+            t.add_column(c, justify="left" if c == "algorithm" else "right")
+        for r in rep["rows"]:
+            if r.get("fitted_s"):
+                m = r["measured_s"]
+                t.add_row(_show_size(r["bytes"]), r["algorithm"], _ms(m), f"{m / r['predicted_s']:.2f}", f"{m / r['fitted_s']:.2f}")
+        console.print(t)
+        console.print(f"typical error factor {fit['error_before']:.2f} with the constants in use, "
+                      f"{fit['error_after']:.2f} fitted: alpha {fit['alpha'] * 1e6:.1f} us, bandwidth "
+                      f"{fit['bandwidth'] * 8e-9:.2f} Gbit/s, gamma {fit['gamma'] * 1e9:.2f} ns per byte, "
+                      f"parallelism {fit['parallelism']:.2f}", highlight=False)
+        console.print(f"to use them, set on every rank: [bold]PLAIT_COST_MODEL={fit['setting']}[/]", highlight=False)
 
 
 def _ms(s):
@@ -152,7 +171,29 @@ def plot(rep, path):
     plt.close(fig)
 
 
-def run_rank(rank, n, master_addr, port, *, sizes, bench, iters, timeout, json_path=None, plot_path=None):
+def error_factor(pairs):
+    """exp of the root mean squared log of predicted / measured over `pairs`: 1.3 means the
+    predictions are typically 30 % off, either way. None without pairs."""
+    logs = [math.log(p / m) ** 2 for p, m in pairs if p and m]
+    return math.exp(math.sqrt(sum(logs) / len(logs))) if logs else None
+
+
+def fit_report(comm, rows):
+    """The cost model's constants fitted to the measured rows (rank 0 alone may call it): the
+    `PLAIT_COST_MODEL` text, the constants, each row's prediction after the fit, and the typical
+    error factor (exp of the root mean squared log error) before and after."""
+    runs = [("allreduce", r["algorithm"], r["bytes"], r["measured_s"]) for r in rows if r["measured_s"]]
+    fit = comm.fit_cost_model(runs)
+    measured = [r[3] for r in runs]
+    fit["error_before"], fit["error_after"] = error_factor(zip(fit["before"], measured)), error_factor(zip(fit["after"], measured))
+    after = iter(fit["after"])
+    for r in rows:
+        if r["measured_s"]:
+            r["fitted_s"] = next(after)
+    return fit
+
+
+def run_rank(rank, n, master_addr, port, *, sizes, bench, iters, timeout, json_path=None, plot_path=None, fit=False):
     import plait
     from .doctor import open_rank_store
 
@@ -160,7 +201,9 @@ def run_rank(rank, n, master_addr, port, *, sizes, bench, iters, timeout, json_p
     store = open_rank_store(rank, n, master_addr, port, timeout)
     comm = plait.Communicator(store, rank, n, timeout=timeout)
     try:
-        rep = measure_world(comm, sizes, bench, iters)
+        rep = measure_world(comm, sizes, bench or fit, iters)
+        if fit and rank == 0:
+            rep["fit"] = fit_report(comm, rep["rows"])
         comm.barrier()
     finally:
         comm.close()
@@ -187,6 +230,9 @@ def add_arguments(p):
     p.add_argument("--sizes", default=DEFAULT_SIZES, help=f"allreduce sizes, comma-separated (default {DEFAULT_SIZES})")
     p.add_argument("--bench", action="store_true", help="also run every algorithm at every size and show the "
                    "measured time next to the prediction")
+    p.add_argument("--fit", action="store_true", help="run every algorithm at every size (as --bench), fit the cost "
+                   "model's constants (alpha, bandwidth, gamma, parallelism) to the times, and print the PLAIT_COST_MODEL setting "
+                   "that uses them")
     p.add_argument("--iters", type=int, default=5, help="timed allreduces per algorithm and size with --bench (default 5)")
     p.add_argument("--plot", metavar="FILE.png", help="draw the ranks, the measured links and the ring (needs matplotlib)")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds for start-up and every operation (default 120)")
@@ -210,14 +256,15 @@ def main(args):
             print("plait topology: --local needs at least 2 ranks", file=sys.stderr)
             return 2
         rest = ["--sizes", args.sizes, "--iters", str(args.iters), "--timeout", str(args.timeout)] \
-            + (["--bench"] if args.bench else []) + (["--json", args.json] if args.json else []) \
+            + (["--bench"] if args.bench else []) + (["--fit"] if args.fit else []) \
+            + (["--json", args.json] if args.json else []) \
             + (["--plot", args.plot] if args.plot else [])
         return run_local_command("topology", args.local, rest, args.timeout * 3 + 30)
     from .doctor import run_as_job_rank
 
     return run_as_job_rank("topology", lambda rank, n, master_addr, port: run_rank(
         rank, n, master_addr, port, sizes=sizes, bench=args.bench, iters=args.iters, timeout=args.timeout,
-        json_path=args.json, plot_path=args.plot))
+        json_path=args.json, plot_path=args.plot, fit=args.fit))
 
 
 if __name__ == "__main__":

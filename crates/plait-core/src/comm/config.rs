@@ -213,6 +213,13 @@ pub const SETTINGS: &[Setting] = &[
         range: Some(STREAMS),
     },
     Setting {
+        name: "PLAIT_COST_MODEL",
+        kind: "text",
+        default: "",
+        doc: "The cost model's constants, as `plait topology --fit` prints them: alpha=SECONDS (per message),bandwidth=BYTES_PER_SECOND (per link, where links were not measured),gamma=SECONDS_PER_BYTE (reducing),parallelism=LINKS (how many of a rank's links run at full rate at once where they share a host or NIC, 1 to 64); any of them, the others keep their defaults. Set the same on every rank: the selector's choices must agree.",
+        range: None,
+    },
+    Setting {
         name: "PLAIT_STREAMS_MAX",
         kind: "count",
         default: "8",
@@ -358,6 +365,8 @@ pub struct CommConfig {
     pub unexpected_bytes: u64,
     /// `PLAIT_MEASURE`: whether start-up measures each link's bandwidth.
     pub measure: Measure,
+    /// `PLAIT_COST_MODEL`: the cost model's constants, where set.
+    pub cost: crate::sched::cost::Constants,
     /// `PLAIT_RING_ORDER`: the order ring algorithms pass data in.
     pub ring_order: RingOrder,
     /// Which threads may call collectives (not a setting: the layer above decides).
@@ -604,6 +613,9 @@ impl CommConfig {
             None => Wire::Native,
         };
         let measure = setting("PLAIT_MEASURE").map_or(Ok(Measure::Auto), |v| Measure::from_name(&v))?;
+        let cost = setting("PLAIT_COST_MODEL")
+            .map_or(Ok(Default::default()), |v| crate::sched::cost::Constants::parse(&v))
+            .map_err(|e| PlaitError::Config(format!("PLAIT_COST_MODEL: {e}")))?;
         let ring_order = setting("PLAIT_RING_ORDER").map_or(Ok(RingOrder::Measured), |v| RingOrder::from_text(&v))?;
         let encrypt = match setting("PLAIT_ENCRYPT").as_deref().map(str::trim) {
             None | Some("0") => false,
@@ -633,6 +645,7 @@ impl CommConfig {
             wire,
             unexpected_bytes,
             measure,
+            cost,
             ring_order,
             threads: ThreadUse::default(),
         })

@@ -26,7 +26,7 @@ use crate::exec::spec::{check_rank, CollRequest, Plan, Planner};
 use crate::net::frame::{FrameKind, RESERVED_TAGS};
 use crate::net::listener::Listener;
 use crate::raw::RawBuf;
-use crate::sched::cost::LinkModel;
+use crate::sched::cost::{Constants, LinkModel, Sample};
 use crate::sched::order::{best_ring, LinkMatrix};
 use crate::sched::select::{parse_algo_spec, Selector};
 use crate::sched::Collective;
@@ -59,6 +59,20 @@ pub struct Communicator {
     demux: Option<Arc<Demux>>,
 }
 
+/// What `Communicator::fit_cost_model` found.
+#[derive(Clone, Debug)]
+pub struct CostFit {
+    /// `PLAIT_COST_MODEL` text for the fitted constants.
+    pub setting: String,
+    pub alpha: f64,
+    pub bandwidth: f64,
+    pub gamma: f64,
+    pub parallelism: f64,
+    /// Each run's predicted seconds with the constants in use, and with the fitted ones.
+    pub before: Vec<f64>,
+    pub after: Vec<f64>,
+}
+
 struct Owner {
     comm: Arc<Communicator>,
     /// The owner's rank of each rank of the subgroup.
@@ -78,7 +92,7 @@ fn selector(cfg: &CommConfig, topology: Topology, links: Option<Arc<LinkMatrix>>
         RingOrder::Given(order) => Some(order.clone()).filter(|o| o.len() == cfg.size),
         RingOrder::Measured => links.as_deref().filter(|m| m.n == cfg.size).map(|m| best_ring(m, cfg.segment_bytes as f64)),
     };
-    let model = LinkModel { shared: topology != Topology::FullMesh, links, ..LinkModel::default() };
+    let model = cfg.cost.apply(LinkModel { shared: topology != Topology::FullMesh, links, ..LinkModel::default() });
     let selector = Selector::new(overrides, model, cfg.segment_bytes);
     Ok(match order {
         Some(order) => selector.with_ring_order(order),
@@ -455,6 +469,32 @@ impl Communicator {
         let blocks = self.even_blocks(nbytes);
         let s = self.selector.choose(coll, self.cfg.size, root, &blocks, algo)?;
         Ok((self.selector.estimate(&s, &blocks), s.label()))
+    }
+
+    /// The cost model's constants fitted to measured runs `(collective, algorithm, bytes,
+    /// seconds)` (`plait topology --fit`): the `PLAIT_COST_MODEL` text that gives them, and each
+    /// run's prediction before and after.
+    pub fn fit_cost_model(&self, runs: &[(Collective, String, usize, f64)]) -> Result<CostFit> {
+        let n = self.cfg.size;
+        let built = runs
+            .iter()
+            .map(|(coll, algo, nbytes, secs)| {
+                Ok((self.selector.choose(*coll, n, 0, &self.even_blocks(*nbytes), Some(algo))?, self.even_blocks(*nbytes), *secs))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let samples: Vec<Sample> = built.iter().map(|(s, b, secs)| Sample { schedule: s, block_bytes: b.clone(), seconds: *secs }).collect();
+        let fitted = self.selector.fitted(&samples);
+        let before = samples.iter().map(|s| self.selector.estimate(s.schedule, &s.block_bytes)).collect();
+        let after = samples.iter().map(|s| self.selector.estimate_with(&fitted, s.schedule, &s.block_bytes)).collect();
+        Ok(CostFit {
+            setting: Constants::text_of(&fitted),
+            alpha: fitted.alpha,
+            bandwidth: fitted.bandwidth,
+            gamma: fitted.gamma,
+            parallelism: fitted.parallelism,
+            before,
+            after,
+        })
     }
 
     fn even_blocks(&self, nbytes: usize) -> Vec<usize> {

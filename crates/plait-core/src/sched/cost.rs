@@ -9,7 +9,8 @@
 //!
 //! ```text
 //! lat(r,k)  = alpha * (1 - OVERHEAD_SHARE + OVERHEAD_SHARE * m)        (0 if m == 0)
-//! wire(r,k) = shared:    max(bytes sent, bytes received) / bandwidth
+//! wire(r,k) = shared:    max over directions of max(bytes / (bandwidth * parallelism),
+//!                                                  bytes on one link / bandwidth)
 //!             dedicated: max over peers and directions of bytes on that link / bandwidth
 //! red(r,k)  = gamma * bytes reduced (accumulating receives + local reduces)
 //! t(k)      = max over r of  lat(r,k) + (wire(r,k) + red(r,k)) / S         (one segment)
@@ -53,6 +54,9 @@ pub struct LinkModel {
     /// All of a rank's links share one NIC (or loopback): its sends in a step serialise, and so
     /// do its receives. `false`: a dedicated link per peer (full mesh).
     pub shared: bool,
+    /// How many of a shared rank's links run at full rate at once (1: a NIC, whose links take
+    /// turns; more on loopback, where each connection is copied by its own thread and core).
+    pub parallelism: f64,
     /// Each directed link's latency and bandwidth as measured, for this world size; when set,
     /// it stands for `alpha`'s latency part and for `bandwidth`.
     pub links: Option<Arc<LinkMatrix>>,
@@ -60,7 +64,7 @@ pub struct LinkModel {
 
 impl Default for LinkModel {
     fn default() -> Self {
-        LinkModel { alpha: 30e-6, bandwidth: 2e9, gamma: 0.3e-9, shared: true, links: None }
+        LinkModel { alpha: 30e-6, bandwidth: 2e9, gamma: 0.3e-9, shared: true, parallelism: 1.0, links: None }
     }
 }
 
@@ -123,13 +127,19 @@ impl PeerBytes {
 /// Seconds rank `r` spends on the wire for what it sends and receives.
 fn wire_seconds(r: usize, sent: &PeerBytes, received: &PeerBytes, model: &LinkModel, links: Option<&LinkMatrix>) -> f64 {
     let Some(m) = links else {
-        let bytes = if model.shared { sent.sum().max(received.sum()) } else { sent.max().max(received.max()) };
-        return bytes / model.bandwidth;
+        let p = model.parallelism.max(1.0);
+        let seconds = if model.shared {
+            (sent.sum().max(received.sum()) / p).max(sent.max().max(received.max()))
+        } else {
+            sent.max().max(received.max())
+        };
+        return seconds / model.bandwidth;
     };
     let (out_sum, out_max) = sent.seconds(|p| m.bandwidth(r, p));
     let (in_sum, in_max) = received.seconds(|p| m.bandwidth(p, r));
     if model.shared {
-        out_sum.max(in_sum)
+        let p = model.parallelism.max(1.0);
+        (out_sum.max(in_sum) / p).max(out_max.max(in_max))
     } else {
         out_max.max(in_max)
     }
@@ -215,6 +225,118 @@ pub fn estimate(
     t_pipe.max(t_res)
 }
 
+/// The constants `PLAIT_COST_MODEL` sets (`alpha=5e-05,bandwidth=1.2e9,gamma=4e-10`, any of
+/// them; what `plait topology --fit` prints), each within [`FIT_BOUNDS`].
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Constants {
+    pub alpha: Option<f64>,
+    pub bandwidth: Option<f64>,
+    pub gamma: Option<f64>,
+    pub parallelism: Option<f64>,
+}
+
+const NAMES: [&str; 4] = ["alpha", "bandwidth", "gamma", "parallelism"];
+
+impl Constants {
+    pub fn parse(text: &str) -> Result<Constants, String> {
+        let mut c = Constants::default();
+        for item in text.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+            let (name, value) = item.split_once('=').ok_or_else(|| format!("{item:?} is not name=value"))?;
+            let i = NAMES
+                .iter()
+                .position(|n| *n == name.trim())
+                .ok_or_else(|| format!("{:?} is not one of alpha, bandwidth, gamma, parallelism", name.trim()))?;
+            let v: f64 = value.trim().parse().map_err(|_| format!("{name}={:?} is not a number", value.trim()))?;
+            let (lo, hi) = FIT_BOUNDS[i];
+            if !(lo..=hi).contains(&v) {
+                return Err(format!("{name}={v} is outside {lo:e}..{hi:e} ({})", ["seconds", "bytes per second", "seconds per byte", "links"][i]));
+            }
+            *[&mut c.alpha, &mut c.bandwidth, &mut c.gamma, &mut c.parallelism][i] = Some(v);
+        }
+        Ok(c)
+    }
+
+    /// The setting that gives `m`'s constants.
+    pub fn text_of(m: &LinkModel) -> String {
+        format!("alpha={:.3e},bandwidth={:.3e},gamma={:.3e},parallelism={:.3}", m.alpha, m.bandwidth, m.gamma, m.parallelism)
+    }
+
+    /// `m` with these constants where they are set.
+    pub fn apply(&self, mut m: LinkModel) -> LinkModel {
+        m.alpha = self.alpha.unwrap_or(m.alpha);
+        m.bandwidth = self.bandwidth.unwrap_or(m.bandwidth);
+        m.gamma = self.gamma.unwrap_or(m.gamma);
+        m.parallelism = self.parallelism.unwrap_or(m.parallelism);
+        m
+    }
+}
+
+/// One measured run for [`fit`]: a schedule, the block sizes it ran with, and its measured
+/// seconds (the slowest rank's).
+pub struct Sample<'a> {
+    pub schedule: &'a Schedule,
+    pub block_bytes: Vec<usize>,
+    pub seconds: f64,
+}
+
+/// The constants a model may be fitted over, in the order [`fit`] tries them.
+const FITTED: [fn(&mut LinkModel) -> &mut f64; 4] = [|m| &mut m.alpha, |m| &mut m.bandwidth, |m| &mut m.gamma, |m| &mut m.parallelism];
+
+/// Each constant stays within these bounds (alpha seconds, bandwidth bytes per second, gamma
+/// seconds per byte, parallelism links): a fit to a few noisy samples must not drift into
+/// nonsense.
+pub const FIT_BOUNDS: [(f64, f64); 4] = [(1e-7, 1.0), (1e5, 1e12), (1e-13, 1e-6), (1.0, 64.0)];
+
+#[cfg(test)]
+/// The mean squared log error of `model` over `samples`: how far off its predictions are, as a
+/// ratio either way (a prediction twice too high costs what one half too low does).
+pub fn log_error(samples: &[Sample], model: &LinkModel, segment_bytes: usize) -> f64 {
+    let n = samples.len().max(1) as f64;
+    samples
+        .iter()
+        .map(|s| (estimate(s.schedule, &s.block_bytes, model, segment_bytes) / s.seconds).ln().powi(2))
+        .sum::<f64>()
+        / n
+}
+
+/// `start` with alpha, bandwidth, gamma and parallelism fitted to `samples` (the mean squared log error of
+/// the predictions, least), by coordinate descent on a log scale: each constant in turn is
+/// multiplied or divided by a step while that helps, and the step shrinks from 2 to 1.001.
+/// Deterministic, and a few thousand estimates. Samples with no positive time are skipped.
+/// Constants the samples do not depend on (bandwidth when every link is measured) stay as they
+/// were.
+pub fn fit(samples: &[Sample], start: &LinkModel, segment_bytes: usize) -> LinkModel {
+    let samples: Vec<&Sample> = samples.iter().filter(|s| s.seconds > 0.0 && s.seconds.is_finite()).collect();
+    let err = |m: &LinkModel| {
+        samples.iter().map(|s| (estimate(s.schedule, &s.block_bytes, m, segment_bytes) / s.seconds).ln().powi(2)).sum::<f64>()
+    };
+    let mut best = start.clone();
+    if samples.is_empty() {
+        return best;
+    }
+    let mut best_err = err(&best);
+    let mut step = 2.0f64;
+    while step > 1.001 {
+        let mut improved = true;
+        while improved {
+            improved = false;
+            for (which, &(lo, hi)) in FITTED.iter().zip(FIT_BOUNDS.iter()) {
+                for factor in [step, 1.0 / step] {
+                    let mut m = best.clone();
+                    let v = which(&mut m);
+                    *v = (*v * factor).clamp(lo, hi);
+                    let e = err(&m);
+                    if e < best_err * (1.0 - 1e-9) {
+                        (best, best_err, improved) = (m, e, true);
+                    }
+                }
+            }
+        }
+        step = step.sqrt();
+    }
+    best
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -235,6 +357,49 @@ mod tests {
             .iter()
             .map(|&a| (a, estimate(&generate(coll, a, n, 0).unwrap(), &blocks, model, seg)))
             .collect()
+    }
+
+    #[test]
+    fn a_fit_recovers_the_constants_that_made_the_times() {
+        let truth = LinkModel { alpha: 80e-6, bandwidth: 0.7e9, gamma: 1.1e-9, parallelism: 1.6, ..LinkModel::default() };
+        let schedules: Vec<Schedule> = ["ring", "rhd", "direct", "oneshot"]
+            .iter()
+            .filter_map(|a| generate(Collective::AllReduce, a, 4, 0).ok())
+            .collect();
+        assert!(schedules.len() >= 3);
+        let mut samples = Vec::new();
+        for s in &schedules {
+            for total in [4 << 10, 256 << 10, 4 * MIB, 64 * MIB] {
+                let blocks = vec![total / 4; 4];
+                let seconds = estimate(s, &blocks, &truth, MIB);
+                samples.push(Sample { schedule: s, block_bytes: blocks, seconds });
+            }
+        }
+        let start = LinkModel::default();
+        let before = log_error(&samples, &start, MIB);
+        let fitted = fit(&samples, &start, MIB);
+        let after = log_error(&samples, &fitted, MIB);
+        assert!(before > 0.1 && after < 1e-4, "{before} -> {after}");
+        for (got, want) in [(fitted.alpha, truth.alpha), (fitted.bandwidth, truth.bandwidth), (fitted.gamma, truth.gamma), (fitted.parallelism, truth.parallelism)] {
+            assert!((got / want - 1.0).abs() < 0.05, "{got} against {want}");
+        }
+        // Nothing to fit to: the model is left as it was.
+        assert_eq!(fit(&[], &start, MIB), start);
+        // The setting that carries the fit gives the same constants back (to 4 digits).
+        let again = Constants::parse(&Constants::text_of(&fitted)).unwrap().apply(LinkModel::default());
+        assert!((again.alpha / fitted.alpha - 1.0).abs() < 1e-3 && (again.gamma / fitted.gamma - 1.0).abs() < 1e-3);
+    }
+
+    #[test]
+    fn cost_constants_are_read_in_words() {
+        let c = Constants::parse("alpha=5e-5, gamma=4e-10").unwrap();
+        assert_eq!(c, Constants { alpha: Some(5e-5), bandwidth: None, gamma: Some(4e-10), parallelism: None });
+        assert_eq!(c.apply(LinkModel::default()).bandwidth, LinkModel::default().bandwidth);
+        assert_eq!(Constants::parse("").unwrap(), Constants::default());
+        for (bad, said) in [("alpha", "not name=value"), ("beta=1", "not one of"), ("alpha=fast", "not a number"), ("gamma=1", "outside"), ("bandwidth=-1", "outside"), ("alpha=nan", "outside")] {
+            let e = Constants::parse(bad).unwrap_err();
+            assert!(e.contains(said), "{bad}: {e}");
+        }
     }
 
     fn cheapest(c: &[(&'static str, f64)]) -> &'static str {

@@ -160,6 +160,17 @@ impl Selector {
         estimate(s, block_bytes, &self.model, self.segment_bytes)
     }
 
+    /// This selector's model with its constants fitted to `samples` (see `cost::fit`); the
+    /// selector itself is unchanged.
+    pub fn fitted(&self, samples: &[super::cost::Sample]) -> LinkModel {
+        super::cost::fit(samples, &self.model, self.segment_bytes)
+    }
+
+    /// The cost model's seconds for `s` under `model` instead of this selector's.
+    pub fn estimate_with(&self, model: &LinkModel, s: &Schedule, block_bytes: &[usize]) -> f64 {
+        estimate(s, block_bytes, model, self.segment_bytes)
+    }
+
     /// Every automatic candidate with its estimated seconds, in [`algorithms`] order.
     #[cfg(test)]
     pub fn candidates(
