@@ -336,6 +336,81 @@ fn large_messages_arrive_when_nothing_follows_them() {
     assert!(results.iter().all(|e| e.is_empty()), "{results:?}");
 }
 
+/// Messages from 8 MiB on go as pieces spread over a link's connections: sizes around the piece
+/// thresholds, odd element counts, receives from a given rank and from any rank, several messages
+/// with one tag in flight at once (their pieces must not cross), all arrive whole and in the
+/// order of their sends; with one connection or three, and with an early-data budget so small
+/// that pieces wait in the sockets.
+#[test]
+fn large_messages_in_pieces_arrive_whole_and_in_order() {
+    for (streams, budget) in [(3, None), (1, None), (3, Some(MIB as u64))] {
+        let results = world_with(2, 0, move |cfg| {
+            cfg.streams = streams;
+            if let Some(b) = budget {
+                cfg.unexpected_bytes = b;
+            }
+        }, |comm| {
+            let counts = [2 * MIB - 1, 2 * MIB, 2 * MIB + 3, 9 * MIB + 5, 5];
+            let f = |k: usize, i: usize| ((k * 131 + i) % 9973) as f32;
+            let mut wrong = Vec::new();
+            for any_source in [false, true] {
+                if comm.rank() == 0 {
+                    let mut msgs: Vec<Vec<f32>> = counts.iter().enumerate().map(|(k, &c)| (0..c).map(|i| f(k, i)).collect()).collect();
+                    let works: Vec<_> = msgs.iter_mut().map(|m| unsafe { comm.send(f32_buf(m), DType::F32, 1, 11, None, false) }.unwrap()).collect();
+                    for w in works {
+                        if let Err(e) = w.wait(None).unwrap() {
+                            wrong.push(format!("send: {e}"));
+                        }
+                    }
+                } else {
+                    let mut bufs: Vec<Vec<f32>> = counts.iter().map(|&c| vec![-1.0; c]).collect();
+                    let src = if any_source { None } else { Some(0) };
+                    let works: Vec<_> = bufs.iter_mut().map(|b| unsafe { comm.recv(f32_buf(b), DType::F32, src, 11, None, false) }.unwrap()).collect();
+                    for (k, w) in works.into_iter().enumerate() {
+                        match w.wait(None).unwrap() {
+                            Err(e) => wrong.push(format!("any_source={any_source} message {k}: {e}")),
+                            Ok(_) => {
+                                if let Some((i, v)) = bufs[k].iter().enumerate().find(|(i, v)| **v != f(k, *i)) {
+                                    wrong.push(format!("any_source={any_source} message {k}: [{i}] = {v}"));
+                                }
+                            }
+                        }
+                    }
+                }
+                comm.barrier(None, true).unwrap().wait(None).unwrap().unwrap();
+            }
+            wrong
+        });
+        assert!(results.iter().all(|w| w.is_empty()), "streams={streams} budget={budget:?}: {results:?}");
+    }
+}
+
+/// A receive of another size than the message sent in pieces fails on both ranks, naming the
+/// counts, instead of waiting for pieces that never come.
+#[test]
+fn a_message_in_pieces_received_with_another_size_fails_naming_the_counts() {
+    let results = world_with(2, 0, |cfg| {
+        cfg.streams = 2;
+        cfg.timeout = Duration::from_secs(10);
+    }, |comm| {
+        let t0 = Instant::now();
+        let mut buf = vec![1u8; if comm.rank() == 0 { 12 * MIB } else { 16 * MIB }];
+        let raw = RawBuf { ptr: buf.as_mut_ptr(), len: buf.len() };
+        let result = if comm.rank() == 0 {
+            unsafe { comm.send(raw, DType::U8, 1, 3, None, true) }.and_then(|w| w.wait(None).unwrap())
+        } else {
+            unsafe { comm.recv(raw, DType::U8, Some(0), 3, None, true) }.and_then(|w| w.wait(None).unwrap())
+        };
+        (result.map_err(|e| e.to_string()), t0.elapsed(), buf.iter().all(|b| *b == 1))
+    });
+    let (err, took, untouched) = &results[1];
+    let err = err.as_ref().unwrap_err();
+    assert!(err.contains("counts differ") || err.contains("elements"), "{err}");
+    assert!(*untouched, "the receiver's buffer is as it was");
+    assert!(*took < Duration::from_secs(8), "{took:?}");
+    assert!(results[0].1 < Duration::from_secs(12), "the sender does not hang either: {:?}", results[0]);
+}
+
 /// A receive aborted while its 256 MiB message is streaming in leaves the buffer as it was.
 #[test]
 fn a_receive_aborted_mid_message_leaves_its_buffer_as_it_was() {

@@ -7,7 +7,7 @@ use super::wait::with_waited;
 use crate::codec::Wire;
 use crate::dtype::DType;
 use crate::error::{PlaitError, Result};
-use crate::net::frame::{CallId, FrameHeader};
+use crate::net::frame::{CallId, FrameHeader, PIECE_TAGS, PIECE_TAG_LIMIT};
 use crate::raw::RawBuf;
 use crate::session::{BufferPool, Expect, Keep, Landing, Posted, Session};
 use std::sync::Arc;
@@ -21,12 +21,25 @@ pub(crate) struct P2pStarted {
     start: Instant,
     what: Arc<str>,
     peer: usize,
+    /// Events to wait for: one per piece posted or queued.
+    events: usize,
+    /// An any-source receive of a message in pieces: the pieces after the first, posted once the
+    /// first has come and named its sender.
+    rest: Option<Rest>,
 }
 
-/// A receive keeps what it overwrites (in `copy`), to put back if it fails.
+/// The pieces of an any-source receive still to post (see `P2pStarted::rest`).
+struct Rest {
+    tag: u64,
+    dtype: DType,
+    dst: RawBuf,
+    pieces: Vec<(usize, usize)>,
+}
+
+/// A receive keeps what it overwrites (in `copy`, one `Keep` per piece), to put back if it fails.
 enum P2pMemory {
     Send,
-    Recv { keep: Arc<Keep>, copy: Vec<u8> },
+    Recv { keeps: Vec<Arc<Keep>>, copy: Vec<u8> },
 }
 
 impl OpMemory for P2pMemory {
@@ -37,6 +50,45 @@ impl OpMemory for P2pMemory {
     }
 }
 
+/// Messages from twice this size on go as pieces of at least this size, one frame each, so a
+/// link with several connections (`PLAIT_STREAMS`, `PLAIT_STREAMS_MAX`) carries one message over
+/// all of them at once. A piece is large enough that its frame costs nothing next to its bytes.
+pub(crate) const PIECE_MIN_BYTES: usize = 4 << 20;
+/// At most this many pieces (the piece ordinals below leave room for this many).
+pub(crate) const MAX_PIECES: usize = 16;
+
+/// Where the pieces of a message of `count` elements of `dtype` with `tag` lie, `(byte offset,
+/// bytes)`: one piece below `2 * PIECE_MIN_BYTES` (and for tags from `PIECE_TAG_LIMIT` on, which
+/// have no piece tag), else up to `MAX_PIECES` of whole elements. Sender and receiver reach the
+/// same pieces from the same count; a receive of another count fails on the first piece, which
+/// carries the whole message's count.
+pub(crate) fn pieces(count: usize, dtype: DType, tag: u64) -> Vec<(usize, usize)> {
+    let bytes = count * dtype.size();
+    if bytes < 2 * PIECE_MIN_BYTES || tag >= PIECE_TAG_LIMIT {
+        return vec![(0, bytes)];
+    }
+    let k = (bytes / PIECE_MIN_BYTES).min(MAX_PIECES);
+    let mut at = 0;
+    (0..k)
+        .map(|j| {
+            let n = ((j + 1) * count / k - j * count / k) * dtype.size();
+            at += n;
+            (at - n, n)
+        })
+        .collect()
+}
+
+/// The tag and ordinal piece `j` of the message with `tag` and ordinal `first` travels with:
+/// the first piece as the message itself, the others under the message's piece tag, at ordinals
+/// that follow from the first piece's, so no other message's pieces can take them.
+fn piece_key(tag: u64, first: u32, j: usize) -> (u64, u32) {
+    if j == 0 {
+        (tag, first)
+    } else {
+        (PIECE_TAGS | tag, first.wrapping_mul(MAX_PIECES as u32).wrapping_add(j as u32))
+    }
+}
+
 /// Queues `data` for `peer` with `tag`.
 pub(crate) fn start_send(session: &Arc<Session>, peer: usize, tag: u64, dtype: DType, data: RawBuf, what: Arc<str>) -> Result<P2pStarted> {
     if let Some(err) = session.broken() {
@@ -44,10 +96,17 @@ pub(crate) fn start_send(session: &Arc<Session>, peer: usize, tag: u64, dtype: D
     }
     let start = Instant::now();
     let transfers = Transfers::new(session, what.clone(), P2pMemory::Send);
-    let count = (data.len / dtype.size()) as u64;
-    let header = FrameHeader::p2p(tag, session.p2p_ordinal(peer, tag), dtype as u8, count, data.len as u64);
-    session.send_frame(peer, header, data.ptr, data.len, None, what.clone(), 0, transfers.issue());
-    Ok(P2pStarted { transfers, start, what, peer })
+    let count = data.len / dtype.size();
+    let parts = pieces(count, dtype, tag);
+    let first = session.p2p_ordinal(peer, tag);
+    for (j, &(at, len)) in parts.iter().enumerate() {
+        let (t, ordinal) = piece_key(tag, first, j);
+        let mut header = FrameHeader::p2p(t, ordinal, dtype as u8, count as u64, len as u64);
+        header.step = if j == 0 && parts.len() > 1 { parts.len() as u32 } else { 0 };
+        // SAFETY: at + len <= data.len (the pieces tile the message).
+        session.send_frame(peer, header, unsafe { data.ptr.add(at) }, len, None, what.clone(), 0, transfers.issue());
+    }
+    Ok(P2pStarted { transfers, start, what, peer, events: parts.len(), rest: None })
 }
 
 /// Posts a receive into `dst` from `src` (any peer when None) with `tag`.
@@ -57,39 +116,92 @@ pub(crate) fn start_recv(session: &Arc<Session>, src: Option<usize>, tag: u64, d
     }
     let start = Instant::now();
     let mut copy = session.mailbox.pool.take(dst.len);
+    let count = dst.len / dtype.size();
+    let parts = pieces(count, dtype, tag);
     // SAFETY: dst is the caller's buffer and copy ours (owned by the transfers below), both
-    // dst.len bytes, alive until the receive has reported or been withdrawn.
-    let keep = Arc::new(unsafe { Keep::new(dst.ptr, copy.as_mut_ptr(), dst.len) });
-    let transfers = Transfers::new(session, what.clone(), P2pMemory::Recv { keep: keep.clone(), copy });
-    let call = CallId { dtype: dtype as u8, ..Default::default() };
-    let expect = Expect { call, count: (dst.len / dtype.size()) as u64, nbytes: dst.len as u64, what: what.clone() };
-    let landing = Landing::Copy { dst: dst.ptr, keep: Some(keep) };
-    let posted = Posted { landing, len: dst.len, wire: Wire::Native, expect, op_id: transfers.op_id(), token: 0, events: transfers.issue(), reported: false };
-    session.mailbox.post_p2p(src, tag, posted);
-    Ok(P2pStarted { transfers, start, what, peer: src.unwrap_or(usize::MAX) })
+    // dst.len bytes, alive until every piece has reported or been withdrawn; the pieces tile them.
+    let keeps: Vec<Arc<Keep>> =
+        parts.iter().map(|&(at, len)| Arc::new(unsafe { Keep::new(dst.ptr.add(at), copy.as_mut_ptr().add(at), len) })).collect();
+    let transfers = Transfers::new(session, what.clone(), P2pMemory::Recv { keeps: keeps.clone(), copy });
+    let post = |j: usize| {
+        let (at, len) = parts[j];
+        let call = CallId { dtype: dtype as u8, ..Default::default() };
+        let expect = Expect { call, count: count as u64, nbytes: len as u64, what: what.clone() };
+        // SAFETY: as above.
+        let landing = Landing::Copy { dst: unsafe { dst.ptr.add(at) }, keep: Some(keeps[j].clone()) };
+        Posted { landing, len, wire: Wire::Native, expect, op_id: transfers.op_id(), token: 0, events: transfers.issue(), reported: false }
+    };
+    let first = session.mailbox.post_p2p(src, tag, post(0));
+    let (events, rest) = match (src, first) {
+        (Some(peer), Some(first)) => {
+            for j in 1..parts.len() {
+                let (t, ordinal) = piece_key(tag, first, j);
+                session.mailbox.post_p2p_at(peer, t, ordinal, post(j));
+            }
+            (parts.len(), None)
+        }
+        _ if parts.len() > 1 => (1, Some(Rest { tag, dtype, dst, pieces: parts })),
+        _ => (1, None),
+    };
+    Ok(P2pStarted { transfers, start, what, peer: src.unwrap_or(usize::MAX), events, rest })
 }
 
 /// Waits for a started transfer; returns the peer it was with. On failure a receive's buffer
 /// holds what it held before.
-pub(crate) fn finish_p2p(session: &Session, p: P2pStarted, timeout: Duration) -> Result<usize> {
+pub(crate) fn finish_p2p(session: &Session, mut p: P2pStarted, timeout: Duration) -> Result<usize> {
     let doing = match p.transfers.memory {
         P2pMemory::Send => "take this message",
         P2pMemory::Recv { .. } => "send",
     };
-    let waited_for = if p.peer == usize::MAX { 0 } else { p.peer };
     crate::failpoint::hit("p2p.wait");
-    match wait_one(session, &p.transfers, p.start, timeout, &p.what, waited_for, doing) {
+    let mut result = Ok(p.peer);
+    let mut left = p.events;
+    while left > 0 {
+        let waited_for = if p.peer == usize::MAX { 0 } else { p.peer };
+        match wait_one(session, &p.transfers, p.start, timeout, &p.what, waited_for, doing) {
+            Ok((source, ordinal)) => {
+                (p.peer, left) = (source, left - 1);
+                if let Some(rest) = p.rest.take() {
+                    // The first piece named the sender and its ordinal: the other pieces follow.
+                    left += rest.pieces.len() - 1;
+                    post_rest(session, &p, rest, source, ordinal);
+                }
+                result = Ok(source);
+            }
+            Err(err) => {
+                result = Err(err);
+                break;
+            }
+        }
+    }
+    match result {
         Ok(source) => Ok(source),
         Err(err) => {
             let first = session.fail(err, true);
             // The link thread of a transfer under way reports once the shut socket fails it;
             // only then is the caller's memory free of it.
             p.transfers.withdraw();
-            if let P2pMemory::Recv { keep, .. } = &p.transfers.memory {
-                keep.restore();
+            if let P2pMemory::Recv { keeps, .. } = &p.transfers.memory {
+                keeps.iter().for_each(|k| k.restore());
             }
             Err(with_waited(first.for_op(&p.what), p.start.elapsed()))
         }
+    }
+}
+
+/// Posts the pieces after the first of an any-source receive, from `source`, whose first piece
+/// came with `ordinal`; `p` then waits for them too.
+fn post_rest(session: &Session, p: &P2pStarted, rest: Rest, source: usize, ordinal: u32) {
+    let P2pMemory::Recv { keeps, .. } = &p.transfers.memory else { return };
+    let count = rest.dst.len / rest.dtype.size();
+    for (j, &(at, len)) in rest.pieces.iter().enumerate().skip(1) {
+        let call = CallId { dtype: rest.dtype as u8, ..Default::default() };
+        let expect = Expect { call, count: count as u64, nbytes: len as u64, what: p.what.clone() };
+        // SAFETY: the caller's buffer, alive until every piece has reported or been withdrawn.
+        let landing = Landing::Copy { dst: unsafe { rest.dst.ptr.add(at) }, keep: Some(keeps[j].clone()) };
+        let posted = Posted { landing, len, wire: Wire::Native, expect, op_id: p.transfers.op_id(), token: 0, events: p.transfers.issue(), reported: false };
+        let (t, o) = piece_key(rest.tag, ordinal, j);
+        session.mailbox.post_p2p_at(source, t, o, posted);
     }
 }
 
@@ -103,12 +215,13 @@ pub(crate) fn recv_p2p(session: &Arc<Session>, src: Option<usize>, tag: u64, dty
     finish_p2p(session, start_recv(session, src, tag, dtype, dst, what)?, timeout)
 }
 
-/// Waits for the single event of a point-to-point transfer.
-fn wait_one(session: &Session, transfers: &Transfers<P2pMemory>, start: Instant, timeout: Duration, what: &str, peer: usize, doing: &str) -> Result<usize> {
+/// Waits for one event of a point-to-point transfer: its source, and the token the mailbox set
+/// (an any-source receive's: the ordinal of the message it took).
+fn wait_one(session: &Session, transfers: &Transfers<P2pMemory>, start: Instant, timeout: Duration, what: &str, peer: usize, doing: &str) -> Result<(usize, u32)> {
     let deadline = start + timeout;
     loop {
         match transfers.next_event(deadline.min(Instant::now() + Duration::from_millis(100)), deadline) {
-            Ok(ev) => return ev.result.map(|_| ev.source),
+            Ok(ev) => return ev.result.map(|_| (ev.source, ev.token)),
             Err(_) => {
                 if let Some(err) = session.broken() {
                     return Err(err);
@@ -122,5 +235,45 @@ fn wait_one(session: &Session, transfers: &Transfers<P2pMemory>, start: Instant,
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn large_messages_split_into_whole_element_pieces_that_tile_them() {
+        let mib = 1 << 20;
+        assert_eq!(pieces(0, DType::F32, 1), vec![(0, 0)]);
+        assert_eq!(pieces((2 * PIECE_MIN_BYTES - 1) / 1, DType::U8, 1).len(), 1, "just below twice a piece: whole");
+        assert_eq!(pieces(2 * PIECE_MIN_BYTES, DType::U8, 1).len(), 2);
+        assert_eq!(pieces(64 * mib / 4, DType::F32, 1).len(), MAX_PIECES);
+        assert_eq!(pieces(1024 * mib, DType::U8, 1).len(), MAX_PIECES, "never more than MAX_PIECES");
+        assert_eq!(pieces(64 * mib, DType::U8, PIECE_TAG_LIMIT).len(), 1, "tags without a piece tag go whole");
+        for (count, dtype) in [(3_000_001usize, DType::F32), (8_388_609, DType::U8), (5_000_003, DType::F64), (40_000_000, DType::BF16)] {
+            let p = pieces(count, dtype, 7);
+            let mut at = 0;
+            for &(off, len) in &p {
+                assert_eq!(off, at, "{count} {dtype:?}: pieces follow each other");
+                assert_eq!(len % dtype.size(), 0, "{count} {dtype:?}: whole elements");
+                assert!(len >= PIECE_MIN_BYTES - dtype.size() || p.len() == 1, "{count} {dtype:?}: {len}");
+                at += len;
+            }
+            assert_eq!(at, count * dtype.size(), "{count} {dtype:?}: the pieces tile the message");
+        }
+    }
+
+    #[test]
+    fn piece_keys_of_different_messages_never_meet() {
+        let mut seen = std::collections::HashSet::new();
+        for first in 0..64u32 {
+            for j in 0..MAX_PIECES {
+                assert!(seen.insert(piece_key(5, first, j)), "message {first} piece {j}");
+            }
+        }
+        assert_eq!(piece_key(5, 9, 0), (5, 9));
+        let (t, _) = piece_key(5, 9, 1);
+        assert!(t >= crate::net::frame::RESERVED_TAGS && t != 5 && t & !PIECE_TAGS == 5);
     }
 }

@@ -72,8 +72,13 @@ pub struct FrameHeader {
 /// receiver keeps no more.
 pub const REASON_MAX_BYTES: usize = 4096;
 
-/// Tags at and above this are plait's own (link probes); users get the ones below.
+/// Tags at and above this are plait's own (link probes, message pieces); users get the ones below.
 pub const RESERVED_TAGS: u64 = 1 << 63;
+/// A large point-to-point message goes as pieces (`exec::p2p::pieces`): the first with the
+/// message's tag, the others with `PIECE_TAGS | tag`, for tags below `PIECE_TAG_LIMIT` (larger
+/// tags are sent whole). The range stays clear of the probe tags at the top.
+pub const PIECE_TAGS: u64 = RESERVED_TAGS | (1 << 62);
+pub const PIECE_TAG_LIMIT: u64 = 1 << 61;
 /// A probe that the peer's receiver thread answers at once with a `PONG_TAG` message carrying
 /// the same word, so the round trip measures the link, not how far along the peer is.
 pub const PING_TAG: u64 = u64::MAX;

@@ -299,9 +299,13 @@ pub fn log_error(samples: &[Sample], model: &LinkModel, segment_bytes: usize) ->
         / n
 }
 
+/// The least share by which a step of [`fit`] must lower the error to be taken.
+const MIN_GAIN: f64 = 1e-3;
+
 /// `start` with alpha, bandwidth, gamma and parallelism fitted to `samples` (the mean squared log error of
 /// the predictions, least), by coordinate descent on a log scale: each constant in turn is
-/// multiplied or divided by a step while that helps, and the step shrinks from 2 to 1.001.
+/// multiplied or divided by a step while that lowers the error by `MIN_GAIN` at least, and the
+/// step shrinks from 2 to 1.001.
 /// Deterministic, and a few thousand estimates. Samples with no positive time are skipped.
 /// Constants the samples do not depend on (bandwidth when every link is measured) stay as they
 /// were.
@@ -326,7 +330,9 @@ pub fn fit(samples: &[Sample], start: &LinkModel, segment_bytes: usize) -> LinkM
                     let v = which(&mut m);
                     *v = (*v * factor).clamp(lo, hi);
                     let e = err(&m);
-                    if e < best_err * (1.0 - 1e-9) {
+                    // A move must pay for itself: along a constant the samples hardly depend on
+                    // (alpha over slow links), noise would otherwise walk it to a bound.
+                    if e < best_err * (1.0 - MIN_GAIN) {
                         (best, best_err, improved) = (m, e, true);
                     }
                 }

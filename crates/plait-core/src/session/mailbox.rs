@@ -34,7 +34,7 @@ use super::Event;
 use crate::codec::Wire;
 use crate::dtype::DType;
 use crate::error::PlaitError;
-use crate::net::frame::{CallId, FrameHeader, FrameKind, PONG_TAG, PROBE_FRAME_BYTES, PROBE_GO_TAG, PROBE_TAG, RESERVED_TAGS};
+use crate::net::frame::{CallId, FrameHeader, FrameKind, PIECE_TAGS, PIECE_TAG_LIMIT, PONG_TAG, PROBE_FRAME_BYTES, PROBE_GO_TAG, PROBE_TAG, RESERVED_TAGS};
 use crate::net::peer::{Delivery, LaneWaker};
 use crossbeam_channel::Sender;
 use parking_lot::Mutex;
@@ -231,14 +231,15 @@ impl Mailbox {
         p.report(result, key.0);
     }
 
-    /// Posts a point-to-point receive from `src` (or any source when `None`) with `tag`.
-    pub fn post_p2p(&self, src: Option<usize>, tag: u64, p: Posted) {
+    /// Posts a point-to-point receive from `src` (or any source when `None`) with `tag`; returns
+    /// the ordinal it takes (None for any source: it takes the next message of whoever sends).
+    pub fn post_p2p(&self, src: Option<usize>, tag: u64, p: Posted) -> Option<u32> {
         let mut inner = self.inner.lock();
         if let Some(err) = &inner.broken {
             let err = err.clone();
             drop(inner);
             p.report(Err(err), src.unwrap_or(0));
-            return;
+            return None;
         }
         let kind = FrameKind::P2p as u8;
         let Some(peer) = src else {
@@ -249,11 +250,31 @@ impl Mailbox {
             inner.wake_parked(|k| k.1 == kind && k.2 == tag);
             drop(inner);
             self.land_stashed(ready);
-            return;
+            return None;
         };
         let next = inner.p2p_next.entry((peer, tag)).or_insert(0);
-        let key = (peer, kind, tag, 0, 0, *next);
+        let ordinal = *next;
         *next += 1;
+        self.post_keyed(inner, (peer, kind, tag, 0, 0, ordinal), p);
+        Some(ordinal)
+    }
+
+    /// Posts a receive for the message from `peer` with `tag` and `ordinal` exactly (the pieces
+    /// of a message after its first, see `exec::p2p::pieces`): it takes no ordinal in turn.
+    pub fn post_p2p_at(&self, peer: usize, tag: u64, ordinal: u32, p: Posted) {
+        let inner = self.inner.lock();
+        if let Some(err) = &inner.broken {
+            let err = err.clone();
+            drop(inner);
+            p.report(Err(err), peer);
+            return;
+        }
+        self.post_keyed(inner, (peer, FrameKind::P2p as u8, tag, 0, 0, ordinal), p);
+    }
+
+    /// Lands the stashed message `key` in `p`, or posts `p` for it.
+    fn post_keyed(&self, mut inner: parking_lot::MutexGuard<'_, Inner>, key: Key, p: Posted) {
+        let peer = key.0;
         match inner.stash.remove(&key) {
             Some(s) => {
                 inner.room_freed(peer);
@@ -606,6 +627,7 @@ fn refuse_hostile(h: &FrameHeader) -> io::Result<()> {
         let allowed = match h.seq {
             PONG_TAG | PROBE_GO_TAG => 8,
             PROBE_TAG => PROBE_FRAME_BYTES,
+            t if t & PIECE_TAGS == PIECE_TAGS && t & !PIECE_TAGS < PIECE_TAG_LIMIT => FRAME_MAX_BYTES,
             _ => 0,
         };
         if h.nbytes > allowed || allowed == 0 {
@@ -630,7 +652,8 @@ fn next_in_line_for_any_source(inner: &mut Inner, tag: u64) -> Vec<(usize, Stash
         *inner.p2p_next.entry((peer, tag)).or_insert(0) += 1;
         let s = inner.stash.remove(&key).expect("found above");
         inner.room_freed(peer);
-        let p = inner.any_source.get_mut(&tag).expect("checked above").remove(0);
+        let mut p = inner.any_source.get_mut(&tag).expect("checked above").remove(0);
+        p.token = key.5; // an any-source receive reports the ordinal it took (see `exec::p2p`)
         ready.push((peer, s, p));
     }
     ready
@@ -647,7 +670,9 @@ fn take_locked(inner: &mut Inner, peer: usize, key: Key) -> Option<Posted> {
             if let Some(list) = inner.any_source.get_mut(&tag) {
                 if !list.is_empty() {
                     inner.p2p_next.insert((peer, tag), next + 1);
-                    return Some(list.remove(0));
+                    let mut p = list.remove(0);
+                    p.token = next; // an any-source receive reports the ordinal it took (see `exec::p2p`)
+                    return Some(p);
                 }
             }
         }

@@ -664,3 +664,38 @@ mod interleavings {
         }
     }
 }
+
+#[test]
+fn pieces_of_a_message_land_at_their_own_ordinals_and_any_source_reports_the_ordinal_it_took() {
+    use crate::net::frame::PIECE_TAGS;
+    let m = Mailbox::new();
+    // An any-source receive takes rank 3's message 0 and says which ordinal it was.
+    let mut first = [0u8; 2];
+    let (p, rx) = posted(&mut first, u8_call(), 1);
+    assert_eq!(m.post_p2p(None, 6, p), None);
+    deliver(&m, 3, &p2p(6, 0, b"ab"), b"ab").unwrap();
+    let ev = rx.try_recv().unwrap();
+    assert_eq!((ev.source, ev.token), (3, 0));
+    // A receive from a given rank is told its ordinal at once.
+    let mut second = [0u8; 2];
+    let (p, rx2) = posted(&mut second, u8_call(), 2);
+    assert_eq!(m.post_p2p(Some(3), 6, p), Some(1));
+    deliver(&m, 3, &p2p(6, 1, b"cd"), b"cd").unwrap();
+    ok_from(&rx2);
+    // A piece under the piece tag: admitted (not a hostile reserved tag), stashed when early,
+    // and taken by the receive posted for exactly its ordinal.
+    let tag = PIECE_TAGS | 6;
+    deliver(&m, 3, &p2p(tag, 17, b"zz"), b"zz").unwrap();
+    let mut piece = [0u8; 2];
+    let (p, rx3) = posted(&mut piece, u8_call(), 3);
+    m.post_p2p_at(3, tag, 16, p);
+    assert!(rx3.try_recv().is_err(), "ordinal 17 is not 16");
+    deliver(&m, 3, &p2p(tag, 16, b"yy"), b"yy").unwrap();
+    ok_from(&rx3);
+    assert_eq!(&piece, b"yy");
+    let mut other = [0u8; 2];
+    let (p, rx4) = posted(&mut other, u8_call(), 4);
+    m.post_p2p_at(3, tag, 17, p);
+    ok_from(&rx4);
+    assert_eq!((&first, &second, &other), (b"ab", b"cd", b"zz"));
+}
