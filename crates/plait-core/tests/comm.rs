@@ -564,6 +564,36 @@ fn measured_links_are_shared_alike_and_the_ring_runs_in_the_order_given() {
         allreduce(&comm, &mut input, &mut output, Some("ring")).unwrap();
         let want: Vec<f32> = (0..1000).map(|i| (n * i + 6) as f32).collect();
         assert_eq!(output, want);
+        // Broadcast and reduce along the tree the measured links call for, from every root.
+        for root in 0..n {
+            let label = comm.predict(Collective::Broadcast, 4000, root, Some("tree")).unwrap().1;
+            assert!(label.starts_with("tree (edges "), "{label}");
+            for coll in [Collective::Broadcast, Collective::Reduce] {
+                let r = comm.rank();
+                let mut input: Vec<f32> = (0..1001).map(|i| (i * (r + 1)) as f32).collect();
+                let mut output = vec![-1f32; 1001];
+                let req = CollRequest {
+                    coll,
+                    dtype: DType::F32,
+                    op: ReduceOp::Sum,
+                    root,
+                    input: f32_buf(&mut input),
+                    output: f32_buf(&mut output),
+                    send_counts: None,
+                    recv_counts: None,
+                    timeout: None,
+                    algo: Some("tree".into()),
+                    wire: None,
+                };
+                unsafe { comm.collective(req, true) }.and_then(|w| w.wait(None).unwrap()).unwrap();
+                let want: Vec<f32> = match coll {
+                    Collective::Broadcast => (0..1001).map(|i| (i * (root + 1)) as f32).collect(),
+                    _ if r == root => (0..1001).map(|i| (i * 10) as f32).collect(),
+                    _ => vec![-1f32; 1001],
+                };
+                assert_eq!(output, want, "{coll} from {root}: {label}");
+            }
+        }
         (m, comm.ring_order())
     });
     for (m, order) in &out {

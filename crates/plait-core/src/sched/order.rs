@@ -199,6 +199,53 @@ pub fn parse_order(text: &str, n: usize) -> Result<Vec<usize>, String> {
     Ok(order)
 }
 
+/// A tree over the ranks rooted at `root`, as parents (`parent[root] == root`), for data that
+/// flows away from the root (broadcast: over links parent -> child) or, with `toward_root`,
+/// to it (reduce: child -> parent). Each rank's path to the root is one whose slowest link, for a
+/// segment of `bytes`, is least (a widest-path tree, grown like Prim's tree: the rank that can
+/// join over the best path joins next); among equal paths, the one with fewer hops, then the
+/// lower parent. Equal links give the star from the root; a slow link is used only when no path
+/// around it is faster. Deterministic, so every rank builds the same tree from the same matrix.
+pub fn widest_tree(m: &LinkMatrix, root: usize, toward_root: bool, bytes: f64) -> Vec<usize> {
+    let n = m.n;
+    let cost = |parent: usize, child: usize| if toward_root { m.seconds(child, parent, bytes) } else { m.seconds(parent, child, bytes) };
+    let mut parent = vec![root; n];
+    let mut joined = vec![false; n];
+    // Per rank not yet joined: its best path so far (slowest link, hops, parent).
+    let mut best: Vec<(f64, usize, usize)> = vec![(f64::INFINITY, usize::MAX, root); n];
+    let (mut worst, mut hops) = (vec![0.0f64; n], vec![0usize; n]);
+    let mut newest = root;
+    joined[root] = true;
+    for _ in 1..n {
+        for v in (0..n).filter(|&v| !joined[v]) {
+            let candidate = (worst[newest].max(cost(newest, v)), hops[newest] + 1, newest);
+            if path_better(candidate, best[v]) {
+                best[v] = candidate;
+            }
+        }
+        let next = (0..n).filter(|&v| !joined[v]).fold(None, |acc: Option<usize>, v| match acc {
+            Some(a) if !path_better(best[v], best[a]) => Some(a),
+            _ => Some(v),
+        });
+        let Some(v) = next else { break };
+        (worst[v], hops[v], parent[v]) = best[v];
+        joined[v] = true;
+        newest = v;
+    }
+    parent
+}
+
+/// Whether path `a` (slowest link, hops, parent) beats `b`: a slower link loses (within a part in
+/// a million, as `better`), then more hops, then the higher parent.
+fn path_better(a: (f64, usize, usize), b: (f64, usize, usize)) -> bool {
+    let close = |x: f64, y: f64| (x - y).abs() <= 1e-6 * x.abs().max(y.abs());
+    if !close(a.0, b.0) {
+        a.0 < b.0
+    } else {
+        (a.1, a.2) < (b.1, b.2)
+    }
+}
+
 /// `s` with position `p` run by rank `order[p]`: programs move, peers and blocks are renamed
 /// alike (block `i` of the layout becomes block `order[i]`, so each rank's own block stays its
 /// own), and the root is position `s.root`'s rank.
@@ -264,7 +311,7 @@ pub fn from_root(order: &[usize], root: usize) -> Vec<usize> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::sched::gen::generate;
+    use crate::sched::gen::{generate, tree_schedule};
     use crate::sched::verify::verify;
     use crate::sched::Collective;
 
@@ -391,5 +438,64 @@ mod tests {
         assert!(parse_order("0,1,2", 4).unwrap_err().contains("the 4 ranks"));
         assert!(parse_order("0,1,x,3", 4).unwrap_err().contains("'x' is not a rank"));
         assert!(parse_order("0,1,2,4", 4).is_err());
+    }
+
+    #[test]
+    fn equal_links_give_the_star_from_the_root_both_ways() {
+        for n in 1..=9 {
+            let m = matrix(n, GBIT, &[]);
+            for root in 0..n {
+                for toward in [false, true] {
+                    assert_eq!(widest_tree(&m, root, toward, 1e6), vec![root; n], "n={n} root={root}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn the_tree_goes_around_slow_links_and_its_schedules_verify() {
+        // Rank 0 reaches only rank 1 fast; rank 1 reaches 2 and 3 fast; every other link is slow.
+        let slow = [(0, 2, GBIT / 50.0), (0, 3, GBIT / 50.0), (2, 3, GBIT / 50.0)];
+        let m = matrix(4, GBIT, &slow);
+        assert_eq!(widest_tree(&m, 0, false, 1e6), vec![0, 0, 1, 1]);
+        assert_eq!(widest_tree(&m, 0, true, 1e6), vec![0, 0, 1, 1]);
+        // From rank 2: its fast link is to 1, and 1's to 0 and 3.
+        assert_eq!(widest_tree(&m, 2, false, 1e6), vec![1, 2, 2, 1]);
+        // One direction slow only: a broadcast avoids 0 -> 2, a reduce avoids 2 -> 0.
+        let one_way = LinkMatrix::from_fn(3, |i, j| Some((1e-3, if (i, j) == (0, 2) { GBIT / 50.0 } else { GBIT }))).unwrap();
+        assert_eq!(widest_tree(&one_way, 0, false, 1e6), vec![0, 0, 1]);
+        assert_eq!(widest_tree(&one_way, 0, true, 1e6), vec![0, 0, 0]);
+        for coll in [Collective::Broadcast, Collective::Reduce] {
+            for root in 0..4 {
+                let s = tree_schedule(coll, 4, root, &widest_tree(&m, root, coll == Collective::Reduce, 1e6)).unwrap();
+                verify(&s).unwrap_or_else(|e| panic!("{coll} root {root}: {e}"));
+            }
+        }
+    }
+
+    #[test]
+    fn every_tree_of_small_worlds_gives_a_correct_schedule() {
+        // Every parent array of up to 5 ranks that is a tree rooted at `root` (and some that are not).
+        for n in 1..=5usize {
+            for root in 0..n {
+                let total = n.pow(n as u32);
+                for code in 0..total {
+                    let mut c = code;
+                    let parent: Vec<usize> = (0..n).map(|_| { let p = c % n; c /= n; p }).collect();
+                    let is_tree = parent[root] == root
+                        && (0..n).all(|v| { let (mut u, mut k) = (v, 0); while u != root && k <= n { u = parent[u]; k += 1; } u == root });
+                    for coll in [Collective::Broadcast, Collective::Reduce] {
+                        match tree_schedule(coll, n, root, &parent) {
+                            Ok(s) => {
+                                assert!(is_tree, "{parent:?} accepted");
+                                verify(&s).unwrap_or_else(|e| panic!("{coll} n={n} root={root} {parent:?}: {e}"));
+                            }
+                            Err(_) => assert!(!is_tree, "{coll} {parent:?} refused"),
+                        }
+                    }
+                }
+            }
+        }
+        assert!(tree_schedule(Collective::AllReduce, 2, 0, &[0, 0]).is_err());
     }
 }

@@ -5,8 +5,8 @@
 //! the fixed order of [`algorithms`] with ties going to the earlier one.
 
 use super::cost::{estimate, LinkModel};
-use super::gen::{algorithms, generate, unknown_algorithm};
-use super::order::{from_root, relabel};
+use super::gen::{algorithms, generate, tree_schedule, unknown_algorithm};
+use super::order::{from_root, relabel, widest_tree};
 use super::verify::verify;
 use super::{Collective, Schedule};
 use crate::error::PlaitError;
@@ -105,7 +105,11 @@ impl Selector {
         // Generated outside the lock: other collectives need not wait; a racing duplicate
         // generation is harmless (same result).
         let mut s = generate(coll, algo, n, root)?;
-        if let Some(order) = self.ring_order(n).filter(|_| follows_ring_order(coll, algo)) {
+        if let Some(m) = self.model.links.as_deref().filter(|m| m.n == n && algo == "tree") {
+            // Along the tree of the fastest paths from (or to) the root.
+            let parent = widest_tree(m, root, coll == Collective::Reduce, self.segment_bytes as f64);
+            s = tree_schedule(coll, n, root, &parent)?;
+        } else if let Some(order) = self.ring_order(n).filter(|_| follows_ring_order(coll, algo)) {
             s = if coll.rooted() {
                 // A chain from the root along the ring: built rooted at position 0, then moved.
                 relabel(&generate(coll, algo, n, 0)?, &from_root(order, root))
@@ -299,5 +303,28 @@ mod tests {
         }
         // The identity order changes nothing.
         assert!(Selector::new(HashMap::new(), LinkModel::default(), 1 << 20).with_ring_order(vec![0, 1, 2, 3]).ring_order(4).is_none());
+    }
+
+    #[test]
+    fn a_broadcast_or_reduce_takes_the_tree_of_fast_paths_when_no_chain_or_star_avoids_slow_links() {
+        use crate::sched::order::{best_ring, LinkMatrix};
+        // Rank 0 is fast only to 1; rank 1 fast to 2 and 3; 0-2, 0-3 and 2-3 are slow.
+        let slow = |i: usize, j: usize| [(0, 2), (0, 3), (2, 3)].iter().any(|&(a, b)| (a, b) == (i, j) || (a, b) == (j, i));
+        let m = LinkMatrix::from_fn(4, |i, j| Some((1e-3, if slow(i, j) { 2.5e6 } else { 1.25e8 }))).unwrap();
+        let order = best_ring(&m, (1 << 20) as f64);
+        let model = LinkModel { shared: false, links: Some(Arc::new(m)), ..LinkModel::default() };
+        let sel = Selector::new(HashMap::new(), model, 1 << 20).with_ring_order(order);
+        let big = [4usize << 20; 4];
+        for coll in [Collective::Broadcast, Collective::Reduce] {
+            let s = sel.choose(coll, 4, 0, &big, None).unwrap();
+            assert_eq!(s.label(), "tree (edges 0>1,1>2,1>3)", "{coll}");
+            for (r, prog) in s.ranks.iter().enumerate() {
+                assert!(prog.iter().all(|st| st.sends.iter().all(|o| !slow(r, o.peer as usize))), "{coll}: {}", s.label());
+            }
+        }
+        // Without measured links a tree is the star from the root.
+        let plain = Selector::new(HashMap::new(), LinkModel::default(), 1 << 20);
+        let star = plain.choose(Collective::Broadcast, 4, 2, &big, Some("tree")).unwrap();
+        assert_eq!((star.root, star.nsteps()), (2, 1));
     }
 }

@@ -22,8 +22,12 @@
 //! | reduce_scatter | ring | n-1 | 1 (n > 2) |
 //! | reduce_scatter | direct | 2 (step 0: local seed copy) | 0 |
 //! | allgather | ring / direct | n-1 / 1 | 0 |
-//! | broadcast | binomial / chain / direct | ceil(log2 n) / n-1 / 1 | 0 |
-//! | reduce | binomial / chain / direct | ceil(log2 n) / n-1 / 2 | 1 (non-roots) / 1 / 0 |
+//! | broadcast | binomial / chain / direct / tree | ceil(log2 n) / n-1 / 1 / depth | 0 |
+//! | reduce | binomial / chain / direct / tree | ceil(log2 n) / n-1 / 2 / depth + 1 | 1 (non-roots) / 1 / 0 / 1 |
+//!
+//! `tree` follows a tree given by its parents ([`tree_schedule`]); the selector builds the tree
+//! from the measured links (`order::widest_tree`). Without them it is the star from the root,
+//! which moves what `direct` does.
 //! | gather, scatter | direct | 1 | 0 |
 //! | alltoall | pairwise | n-1 | 0 |
 //!
@@ -41,8 +45,8 @@ use crate::error::PlaitError;
 use allreduce::{allreduce_direct, allreduce_oneshot, allreduce_rhd, allreduce_ring, allreduce_ring2};
 use exchange::{allgather_direct, allgather_ring, alltoall_pairwise, reduce_scatter_direct, reduce_scatter_ring};
 use rooted::{
-    broadcast_binomial, broadcast_chain, broadcast_direct, gather_direct, reduce_binomial, reduce_chain, reduce_direct,
-    scatter_direct,
+    broadcast_binomial, broadcast_chain, broadcast_direct, broadcast_tree, gather_direct, reduce_binomial, reduce_chain,
+    reduce_direct, reduce_tree, scatter_direct,
 };
 
 /// Algorithm names per collective; the first is the safe default.
@@ -51,8 +55,8 @@ pub fn algorithms(coll: Collective) -> &'static [&'static str] {
         Collective::AllReduce => &["ring", "direct", "oneshot", "rhd", "ring2"],
         Collective::ReduceScatter => &["ring", "direct"],
         Collective::AllGather => &["ring", "direct"],
-        Collective::Broadcast => &["binomial", "chain", "direct"],
-        Collective::Reduce => &["binomial", "chain", "direct"],
+        Collective::Broadcast => &["binomial", "chain", "direct", "tree"],
+        Collective::Reduce => &["binomial", "chain", "direct", "tree"],
         Collective::Gather => &["direct"],
         Collective::Scatter => &["direct"],
         Collective::AllToAll => &["pairwise"],
@@ -102,15 +106,53 @@ pub fn generate(
         (Broadcast, "binomial") => broadcast_binomial(&mut b),
         (Broadcast, "chain") => broadcast_chain(&mut b),
         (Broadcast, "direct") => broadcast_direct(&mut b),
+        (Broadcast, "tree") => broadcast_tree(&mut b, &vec![root; n]),
         (Reduce, "binomial") => reduce_binomial(&mut b),
         (Reduce, "chain") => reduce_chain(&mut b),
         (Reduce, "direct") => reduce_direct(&mut b),
+        (Reduce, "tree") => reduce_tree(&mut b, &vec![root; n]),
         (Gather, "direct") => gather_direct(&mut b),
         (Scatter, "direct") => scatter_direct(&mut b),
         (AllToAll, "pairwise") => alltoall_pairwise(&mut b),
         _ => unreachable!("algorithms() and the dispatch table disagree"),
     }
     Ok(b.finish(algo))
+}
+
+/// The `tree` schedule of a broadcast or reduce along the tree `parent` (`parent[v]` is rank v's
+/// parent, the root's is itself): data flows from parents to children (broadcast) or from
+/// children to parents (reduce). Its variant names the tree's edges, so ranks that built
+/// different trees fail on the schedule id instead of mixing data.
+pub fn tree_schedule(coll: Collective, n: usize, root: usize, parent: &[usize]) -> Result<Schedule, PlaitError> {
+    if !matches!(coll, Collective::Broadcast | Collective::Reduce) {
+        return Err(unknown_algorithm(coll, "tree"));
+    }
+    if n == 0 || root >= n || parent.len() != n || parent[root] != root {
+        return Err(PlaitError::invalid(format!("{coll} tree: {parent:?} is not a tree of {n} ranks rooted at {root}")));
+    }
+    for start in 0..n {
+        let (mut v, mut hops) = (start, 0);
+        while v != root {
+            v = *parent.get(v).filter(|&&p| p < n).ok_or_else(|| PlaitError::invalid(format!("{coll} tree: parent of {v} out of range")))?;
+            hops += 1;
+            if hops > n {
+                return Err(PlaitError::invalid(format!("{coll} tree: rank {start} never reaches the root {root} (a cycle)")));
+            }
+        }
+    }
+    let mut s = if n == 1 {
+        generate(coll, "tree", 1, 0)?
+    } else {
+        let mut b = Builder::new(coll, n, root);
+        match coll {
+            Collective::Broadcast => broadcast_tree(&mut b, parent),
+            _ => reduce_tree(&mut b, parent),
+        }
+        b.finish("tree")
+    };
+    let edges: Vec<String> = (0..n).filter(|&v| v != root).map(|v| format!("{}>{v}", parent[v])).collect();
+    s.variant = format!("edges {}", edges.join(","));
+    Ok(s)
 }
 
 fn inp(i: usize) -> ChunkRef {

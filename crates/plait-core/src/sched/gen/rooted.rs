@@ -64,6 +64,32 @@ pub(super) fn broadcast_direct(b: &mut Builder) {
     }
 }
 
+/// Along a tree (`parent[v]`, the root its own parent): each rank gets the data from its parent
+/// in the step after its parent got it, and a rank with several children sends to all of them in
+/// one step.
+pub(super) fn broadcast_tree(b: &mut Builder, parent: &[usize]) {
+    let (n, root) = (b.n, b.root);
+    let depth = depths(parent, root);
+    root_copy_all(b);
+    for v in (0..n).filter(|&v| v != root) {
+        broadcast_whole(b, depth[v] - 1, parent[v], v);
+    }
+}
+
+/// Each rank's distance from the root in the tree `parent` (checked to be one by the caller).
+fn depths(parent: &[usize], root: usize) -> Vec<usize> {
+    (0..parent.len())
+        .map(|mut v| {
+            let mut d = 0;
+            while v != root {
+                v = parent[v];
+                d += 1;
+            }
+            d
+        })
+        .collect()
+}
+
 // ---------------------------------------------------------------- reduce
 
 /// Where rank r accumulates partials: the root's Output, or Scratch slot 0 elsewhere (non-roots
@@ -120,6 +146,31 @@ pub(super) fn reduce_direct(b: &mut Builder) {
         let from = rel(b, v);
         for j in 0..n {
             b.xfer(1, from, inp(j), b.root, out(j), Some(out(j)));
+        }
+    }
+}
+
+/// Up a tree (`parent[v]`, the root its own parent): step 0 seeds every rank with children (its
+/// accumulator from its Input); then the deepest ranks send first, each rank to its parent one
+/// step after its children sent to it, and a parent folds its children's partials into its
+/// accumulator as they arrive (like `direct`, only the root holds the result).
+pub(super) fn reduce_tree(b: &mut Builder, parent: &[usize]) {
+    let (n, root) = (b.n, b.root);
+    let depth = depths(parent, root);
+    let deepest = depth.iter().copied().max().unwrap_or(0);
+    let has_children: Vec<bool> = (0..n).map(|u| (0..n).any(|v| v != root && parent[v] == u)).collect();
+    for u in (0..n).filter(|&u| has_children[u] || u == root) {
+        for j in 0..n {
+            let acc = reduce_acc(b, u, j);
+            b.copy(0, u, inp(j), acc);
+        }
+    }
+    for v in (0..n).filter(|&v| v != root) {
+        let (to, step) = (parent[v], 1 + deepest - depth[v]);
+        for j in 0..n {
+            let src = if has_children[v] { reduce_acc(b, v, j) } else { inp(j) };
+            let acc = reduce_acc(b, to, j);
+            b.xfer(step, v, src, to, acc, Some(acc));
         }
     }
 }
