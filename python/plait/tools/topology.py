@@ -1,6 +1,7 @@
 """`plait topology`: the links as plait measures them at start-up, the ring order it derives, and
-what its cost model predicts for each allreduce algorithm; with `--bench`, each prediction next
-to the measured time.
+what its cost model predicts for each algorithm of a collective (allreduce, or broadcast or
+reduce from a root: `--coll`, `--root`); with `--bench`, each prediction next to the measured
+time; with `--fit`, the cost model's constants fitted to those times.
 
 Run once per rank like the job (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set): under torchrun,
 `plait testbed run -- plait topology`, or `plait topology --local 3` for ranks on this machine.
@@ -32,35 +33,49 @@ def _show_size(n):
     return str(n)
 
 
-def measure_world(comm, sizes, bench, iters):
-    """Rank 0's report: matrix, ring order, and per (size, algorithm) the prediction and, with
-    `bench`, the slowest rank's median time. Every rank must call it (the benchmark is collective)."""
+COLLECTIVES = ("allreduce", "broadcast", "reduce")
+
+
+def measure_world(comm, sizes, bench, iters, coll="allreduce", root=0):
+    """Rank 0's report: matrix, ring order, and per (size, algorithm) of `coll` the prediction
+    and, with `bench`, the slowest rank's median time. Every rank must call it (the benchmark is
+    collective)."""
     import numpy as np
 
     import plait
 
-    algos = plait._core.algorithms("allreduce")
+    algos = plait._core.algorithms(coll)
+    root = root if coll != "allreduce" else 0
     rows = []
     for nbytes in sizes:
-        chosen = comm.algorithm_for("allreduce", nbytes)
+        chosen = comm.algorithm_for(coll, nbytes, root)
         x = np.ones(max(1, nbytes // 4), np.float32)
         out = np.empty_like(x)
+
+        def run(algo):
+            if coll == "allreduce":
+                comm.allreduce(x, out=out, algo=algo)
+            elif coll == "broadcast":
+                comm.broadcast(x, root, algo=algo)
+            else:
+                comm.reduce(x, root, out=out if comm.rank == root else None, algo=algo)
+
         for algo in algos:
-            predicted, schedule = comm.predict("allreduce", nbytes, algo=algo)
+            predicted, schedule = comm.predict(coll, nbytes, root, algo=algo)
             row = {"bytes": nbytes, "algorithm": algo, "schedule": schedule, "predicted_s": predicted,
                    "chosen": algo == chosen, "measured_s": None}
             if bench:
-                comm.allreduce(x, out=out, algo=algo)  # warm-up
+                run(algo)  # warm-up
                 times = []
                 for _ in range(iters):
                     comm.barrier()
                     t0 = time.perf_counter()
-                    comm.allreduce(x, out=out, algo=algo)
+                    run(algo)
                     times.append(time.perf_counter() - t0)
                 mine = np.array([statistics.median(times)], np.float64)
                 row["measured_s"] = float(comm.allreduce(mine, op="max")[0])
             rows.append(row)
-    return {"world_size": comm.world_size, "topology": comm.topology(), "links": comm.link_matrix(),
+    return {"world_size": comm.world_size, "collective": coll, "root": root, "topology": comm.topology(), "links": comm.link_matrix(),
             "ring_order": comm.ring_order(), "rows": rows, "cost_model": os.environ.get("PLAIT_COST_MODEL") or None,
             "error_factor": error_factor((r["predicted_s"], r["measured_s"]) for r in rows) if bench else None}
 
@@ -87,7 +102,8 @@ def print_report(rep, console=None):
                                 f"({links['latency_s'][i][j] * 1e3:.2f})" for j in range(n)))
         console.print(t)
     bench = any(r["measured_s"] is not None for r in rep["rows"])
-    t = Table(title="allreduce, float32: the cost model's prediction" + (" and the slowest rank's median" if bench else ""),
+    coll = rep.get("collective", "allreduce") + (f" from rank {rep['root']}" if rep.get("collective", "allreduce") != "allreduce" else "")
+    t = Table(title=f"{coll}, float32: the cost model's prediction" + (" and the slowest rank's median" if bench else ""),
               title_justify="left")
     for c in ("size", "algorithm", "schedule", "predicted") + (("measured", "measured / predicted") if bench else ()):
         t.add_column(c, justify="left" if c in ("algorithm", "schedule") else "right")
@@ -178,11 +194,11 @@ def error_factor(pairs):
     return math.exp(math.sqrt(sum(logs) / len(logs))) if logs else None
 
 
-def fit_report(comm, rows):
+def fit_report(comm, rows, coll="allreduce"):
     """The cost model's constants fitted to the measured rows (rank 0 alone may call it): the
     `PLAIT_COST_MODEL` text, the constants, each row's prediction after the fit, and the typical
     error factor (exp of the root mean squared log error) before and after."""
-    runs = [("allreduce", r["algorithm"], r["bytes"], r["measured_s"]) for r in rows if r["measured_s"]]
+    runs = [(coll, r["algorithm"], r["bytes"], r["measured_s"]) for r in rows if r["measured_s"]]
     fit = comm.fit_cost_model(runs)
     measured = [r[3] for r in runs]
     fit["error_before"], fit["error_after"] = error_factor(zip(fit["before"], measured)), error_factor(zip(fit["after"], measured))
@@ -193,7 +209,8 @@ def fit_report(comm, rows):
     return fit
 
 
-def run_rank(rank, n, master_addr, port, *, sizes, bench, iters, timeout, json_path=None, plot_path=None, fit=False):
+def run_rank(rank, n, master_addr, port, *, sizes, bench, iters, timeout, json_path=None, plot_path=None, fit=False,
+             coll="allreduce", root=0):
     import plait
     from .doctor import open_rank_store
 
@@ -201,9 +218,9 @@ def run_rank(rank, n, master_addr, port, *, sizes, bench, iters, timeout, json_p
     store = open_rank_store(rank, n, master_addr, port, timeout)
     comm = plait.Communicator(store, rank, n, timeout=timeout)
     try:
-        rep = measure_world(comm, sizes, bench or fit, iters)
+        rep = measure_world(comm, sizes, bench or fit, iters, coll, root)
         if fit and rank == 0:
-            rep["fit"] = fit_report(comm, rep["rows"])
+            rep["fit"] = fit_report(comm, rep["rows"], coll)
         comm.barrier()
     finally:
         comm.close()
@@ -227,13 +244,16 @@ def run_rank(rank, n, master_addr, port, *, sizes, bench, iters, timeout, json_p
 def add_arguments(p):
     p.add_argument("--local", type=int, metavar="N", help="start N ranks on this machine (loopback) instead of "
                    "reading RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT")
-    p.add_argument("--sizes", default=DEFAULT_SIZES, help=f"allreduce sizes, comma-separated (default {DEFAULT_SIZES})")
+    p.add_argument("--sizes", default=DEFAULT_SIZES, help=f"message sizes, comma-separated (default {DEFAULT_SIZES})")
+    p.add_argument("--coll", choices=COLLECTIVES, default="allreduce", help="the collective whose algorithms are "
+                   "predicted (and timed) (default allreduce)")
+    p.add_argument("--root", type=int, default=0, help="root rank of a broadcast or reduce (default 0)")
     p.add_argument("--bench", action="store_true", help="also run every algorithm at every size and show the "
                    "measured time next to the prediction")
     p.add_argument("--fit", action="store_true", help="run every algorithm at every size (as --bench), fit the cost "
                    "model's constants (alpha, bandwidth, gamma, parallelism) to the times, and print the PLAIT_COST_MODEL setting "
                    "that uses them")
-    p.add_argument("--iters", type=int, default=5, help="timed allreduces per algorithm and size with --bench (default 5)")
+    p.add_argument("--iters", type=int, default=5, help="timed calls per algorithm and size with --bench (default 5)")
     p.add_argument("--plot", metavar="FILE.png", help="draw the ranks, the measured links and the ring (needs matplotlib)")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds for start-up and every operation (default 120)")
     add_json_option(p, help="write the report as JSON to PATH (rank 0); `--json -` (or --json alone) prints it on "
@@ -255,7 +275,8 @@ def main(args):
         if args.local < 2:
             print("plait topology: --local needs at least 2 ranks", file=sys.stderr)
             return 2
-        rest = ["--sizes", args.sizes, "--iters", str(args.iters), "--timeout", str(args.timeout)] \
+        rest = ["--sizes", args.sizes, "--iters", str(args.iters), "--timeout", str(args.timeout),
+                "--coll", args.coll, "--root", str(args.root)] \
             + (["--bench"] if args.bench else []) + (["--fit"] if args.fit else []) \
             + (["--json", args.json] if args.json else []) \
             + (["--plot", args.plot] if args.plot else [])
@@ -264,7 +285,7 @@ def main(args):
 
     return run_as_job_rank("topology", lambda rank, n, master_addr, port: run_rank(
         rank, n, master_addr, port, sizes=sizes, bench=args.bench, iters=args.iters, timeout=args.timeout,
-        json_path=args.json, plot_path=args.plot, fit=args.fit))
+        json_path=args.json, plot_path=args.plot, fit=args.fit, coll=args.coll, root=args.root))
 
 
 if __name__ == "__main__":
