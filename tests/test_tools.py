@@ -76,6 +76,15 @@ def test_topology_measures_links_predicts_and_benches_every_allreduce_algorithm(
     assert [(r["bytes"], r["algorithm"]) for r in rep["rows"]] == [(b, a) for b in (4096, 262144) for a in algos]
     assert all(r["predicted_s"] > 0 and r["measured_s"] > 0 for r in rep["rows"]), rep["rows"]
     assert sum(r["chosen"] for r in rep["rows"]) == 2
+    # A broadcast from rank 2: every algorithm, the tree built from the measured links.
+    proc = _plait(["topology", "--local", "3", "--coll", "broadcast", "--root", "2", "--bench", "--sizes", "64K",
+                   "--iters", "1", "--json", "-"])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rep = json.loads(proc.stdout)
+    assert (rep["collective"], rep["root"]) == ("broadcast", 2)
+    assert [r["algorithm"] for r in rep["rows"]] == plait._core.algorithms("broadcast")
+    tree = next(r for r in rep["rows"] if r["algorithm"] == "tree")
+    assert tree["schedule"].startswith("tree (edges ") and tree["measured_s"] > 0, tree
     proc = _plait(["topology", "--local", "2", "--sizes", "1M"], no_rich=tmp_path / "norich")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "ring order 0 > 1" in proc.stdout and "predicted" in proc.stdout and "measured / predicted" not in proc.stdout

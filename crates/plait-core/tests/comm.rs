@@ -538,9 +538,11 @@ fn a_rank_with_a_parked_frame_aborts_and_closes_without_waiting_for_it() {
             let buf = |v: &mut Vec<u8>| RawBuf { ptr: v.as_mut_ptr(), len: v.len() };
             let mut msg = vec![1u8; 8 * MIB];
             if comm.rank() == 0 {
-                // Never received: it ends when rank 1 aborts.
+                // Never received; it ends once rank 1 aborts: failed, or written whole when rank
+                // 1's aborted reader drains what was left in its socket before this rank heard
+                // of the abort (a send completes once written; CI saw both). Either way it ends.
                 let w = unsafe { comm.send(buf(&mut msg), DType::U8, 1, 3, None, false) }.unwrap();
-                return w.wait(Some(Duration::from_secs(25))).map(|r| r.is_err()).unwrap_or(false);
+                return w.wait(Some(Duration::from_secs(25))).is_some();
             }
             std::thread::sleep(Duration::from_millis(500));
             let t = Instant::now();
@@ -548,7 +550,7 @@ fn a_rank_with_a_parked_frame_aborts_and_closes_without_waiting_for_it() {
             comm.close();
             t.elapsed() < Duration::from_secs(10)
         });
-        assert_eq!(results, vec![true, true], "caller_reads={caller_reads}: (rank 0's send failed, rank 1 closed promptly)");
+        assert_eq!(results, vec![true, true], "caller_reads={caller_reads}: (rank 0's send ended, rank 1 closed promptly)");
     }
 }
 
