@@ -13,7 +13,7 @@ use crate::error::{PlaitError, Result};
 use crate::exec::p2p;
 use crate::net::auth::{key_from_hex, key_to_hex, LinkAuth, LinkStream, PublicKey};
 use crate::net::connect::connect;
-use crate::net::frame::{PING_TAG, PONG_TAG};
+use crate::net::frame::{PING_TAG, PONG_TAG, PROBE_AGAIN_TAG, PROBE_TAG};
 use crate::net::handshake::Hello;
 use crate::net::iface::{list_interfaces, IfaceAddr};
 use crate::net::listener::Listener;
@@ -230,7 +230,7 @@ pub(crate) fn bootstrap_from(store: &dyn Store, cfg: &CommConfig, kept: Option<K
         if !measure::wanted(cfg.measure, &machines(&infos)) {
             return share_links(&plan, "links", &mut routes);
         }
-        measure_links(&session, &rtts, &mut routes, plan.deadline)?;
+        measure_links(&session, &rtts, &mut routes, plan.deadline, PROBE_TAG)?;
         let all = share_links(&plan, "links", &mut routes)?;
         let grow = measure::lanes_wanted(&all);
         if grow.is_empty() {
@@ -239,7 +239,7 @@ pub(crate) fn bootstrap_from(store: &dyn Store, cfg: &CommConfig, kept: Option<K
         // Every rank holds the same records, so every rank adds the same connections and measures
         // again, over them.
         add_lanes(&plan, &session, listener.as_ref(), &infos, &dialed, &grow, &mut routes)?;
-        measure_links(&session, &rtts, &mut routes, plan.deadline)?;
+        measure_links(&session, &rtts, &mut routes, plan.deadline, PROBE_AGAIN_TAG)?;
         share_links(&plan, "links-grown", &mut routes)
     });
     let all_links = match all_links {
@@ -555,9 +555,9 @@ fn size_buffers(session: &Session, addrs: &[IfaceAddr], routes: &mut [LinkRecord
 }
 
 /// Each link's rate into this rank, into its record (`measure`).
-fn measure_links(session: &Arc<Session>, rtts: &[(usize, Duration)], routes: &mut [LinkRecord], deadline: Instant) -> Result<()> {
+fn measure_links(session: &Arc<Session>, rtts: &[(usize, Duration)], routes: &mut [LinkRecord], deadline: Instant, tag: u64) -> Result<()> {
     let t0 = Instant::now();
-    for (peer, rate) in measure::measure_bandwidth(session, rtts, deadline)? {
+    for (peer, rate) in measure::measure_bandwidth(session, rtts, deadline, tag)? {
         if let Some(r) = routes.iter_mut().find(|r| r.peer == peer) {
             r.rx_bytes_per_s = rate;
         }

@@ -98,7 +98,7 @@ pub const DEFAULT_CALLER_READ_BYTES: usize = 64 * 1024;
 /// 8-byte allreduce p50 rose about 10 % (0.21-0.24 ms against 0.24-0.27 ms). Links with a large
 /// bandwidth-delay product or per-flow limits want more (see the README).
 pub const DEFAULT_STREAMS: usize = 1;
-pub const MAX_STREAMS: usize = 16;
+pub const MAX_STREAMS: usize = crate::net::handshake::MAX_LANES as usize;
 /// The most connections start-up opens on its own to a link that one stream cannot fill (its
 /// measured rate is what the socket buffers let one stream carry over its round trip): 8 fill a
 /// 100 ms, 1 Gbit/s cable with a stock Linux kernel's 4 MiB send buffers, twice over.

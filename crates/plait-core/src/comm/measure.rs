@@ -16,7 +16,7 @@ use crate::dtype::DType;
 use crate::error::Result;
 use crate::platform::host::same_host;
 use crate::exec::p2p;
-use crate::net::frame::{PROBE_FRAME_BYTES, PROBE_GO_TAG, PROBE_TAG};
+use crate::net::frame::{PROBE_FRAME_BYTES, PROBE_GO_TAG};
 use crate::raw::RawBuf;
 use crate::session::Session;
 use std::sync::Arc;
@@ -54,16 +54,17 @@ pub(crate) fn train_time(rtt: Duration) -> Duration {
 }
 
 /// The rate of each link into this rank, in bytes per second: `(peer, rate)` for every peer
-/// (None where too few frames came to tell). `rtts` is the round trip to each peer.
-pub(crate) fn measure_bandwidth(session: &Arc<Session>, rtts: &[(usize, Duration)], deadline: Instant) -> Result<Vec<(usize, Option<f64>)>> {
+/// (None where too few frames came to tell). `rtts` is the round trip to each peer. `tag`:
+/// `PROBE_TAG`, or `PROBE_AGAIN_TAG` for a second measurement (see there).
+pub(crate) fn measure_bandwidth(session: &Arc<Session>, rtts: &[(usize, Duration)], deadline: Instant, tag: u64) -> Result<Vec<(usize, Option<f64>)>> {
     let (rank, n) = (session.rank, session.size);
     let rtt = |p: usize| rtts.iter().find(|x| x.0 == p).map_or(Duration::ZERO, |x| x.1);
     let mut rates = Vec::with_capacity(n.saturating_sub(1));
     for k in 1..n {
         let (to, from) = ((rank + k) % n, (rank + n - k) % n);
         let (sent, rate) = std::thread::scope(|scope| {
-            let sender = scope.spawn(|| send_train(session, to, train_time(rtt(to)), deadline));
-            let rate = receive_train(session, from, deadline);
+            let sender = scope.spawn(|| send_train(session, to, train_time(rtt(to)), deadline, tag));
+            let rate = receive_train(session, from, deadline, tag);
             (sender.join().expect("the probe sender does not panic"), rate)
         });
         sent?;
@@ -78,7 +79,7 @@ fn left(deadline: Instant) -> Duration {
 
 /// Waits for `to`'s go, then sends frames for `time` (and at least `MIN_FRAMES`), the last one
 /// marked.
-fn send_train(session: &Arc<Session>, to: usize, time: Duration, deadline: Instant) -> Result<()> {
+fn send_train(session: &Arc<Session>, to: usize, time: Duration, deadline: Instant, tag: u64) -> Result<()> {
     let mut go = [0u8; 8];
     p2p::recv_p2p(session, Some(to), PROBE_GO_TAG, DType::U8, RawBuf::of(&mut go), left(deadline), "bandwidth probe".into())?;
     let body = vec![0u8; FRAME];
@@ -93,7 +94,7 @@ fn send_train(session: &Arc<Session>, to: usize, time: Duration, deadline: Insta
         // SAFETY: the frame only reads `body`/`last`, which outlive every queued send (each is
         // waited for below before this function returns).
         let data = RawBuf { ptr: buf.as_ptr() as *mut u8, len: FRAME };
-        queued.push_back(p2p::start_send(session, to, PROBE_TAG, DType::U8, data, "bandwidth probe".into())?);
+        queued.push_back(p2p::start_send(session, to, tag, DType::U8, data, "bandwidth probe".into())?);
         frames += 1;
         while queued.len() > AHEAD || (done && !queued.is_empty()) {
             p2p::finish_p2p(session, queued.pop_front().unwrap(), left(deadline))?;
@@ -106,11 +107,11 @@ fn send_train(session: &Arc<Session>, to: usize, time: Duration, deadline: Insta
 
 /// Posts receives for `from`'s train, says go, and times each frame's arrival until the marked
 /// one; the rate over the second half of the train.
-fn receive_train(session: &Arc<Session>, from: usize, deadline: Instant) -> Result<Option<f64>> {
+fn receive_train(session: &Arc<Session>, from: usize, deadline: Instant, tag: u64) -> Result<Option<f64>> {
     let mut slots = vec![vec![0u8; FRAME]; AHEAD];
     let mut posted = std::collections::VecDeque::new();
     for (i, slot) in slots.iter_mut().enumerate() {
-        posted.push_back((i, p2p::start_recv(session, Some(from), PROBE_TAG, DType::U8, RawBuf::of(slot), "bandwidth probe".into())?));
+        posted.push_back((i, p2p::start_recv(session, Some(from), tag, DType::U8, RawBuf::of(slot), "bandwidth probe".into())?));
     }
     let mut go = [0u8; 8];
     p2p::send_p2p(session, from, PROBE_GO_TAG, DType::U8, RawBuf::of(&mut go), left(deadline), "bandwidth probe".into())?;
@@ -122,7 +123,7 @@ fn receive_train(session: &Arc<Session>, from: usize, deadline: Instant) -> Resu
         if slots[i][0] == 1 {
             break; // the receives still posted are withdrawn as `posted` drops
         }
-        posted.push_back((i, p2p::start_recv(session, Some(from), PROBE_TAG, DType::U8, RawBuf::of(&mut slots[i]), "bandwidth probe".into())?));
+        posted.push_back((i, p2p::start_recv(session, Some(from), tag, DType::U8, RawBuf::of(&mut slots[i]), "bandwidth probe".into())?));
     }
     drop(posted);
     Ok(rate_of(&arrivals, FRAME))
@@ -164,6 +165,9 @@ pub(crate) fn lanes_wanted(records: &[Vec<LinkRecord>]) -> Vec<(usize, usize, us
     for i in 0..records.len() {
         for j in i + 1..records.len() {
             let (Some(a), Some(b)) = (rec(i, j), rec(j, i)) else { continue };
+            if a.same_host || b.same_host {
+                continue; // no socket buffers between them worth more connections; a loaded host's noisy round trips could look like one
+            }
             let now = a.streams.max(b.streams).max(1);
             let most = a.max_streams.min(b.max_streams).min(MAX_STREAMS);
             let want = [(a, b), (b, a)].into_iter().filter_map(|(tx, rx)| direction_lanes(tx, rx, now)).max();
@@ -290,6 +294,40 @@ mod tests {
         let many: Vec<Option<&str>> = many.iter().map(|s| Some(s.as_str())).collect();
         assert!(!wanted(Measure::Auto, &many) && wanted(Measure::Always, &many));
         assert!(!wanted(Measure::Never, &hosts(&["a", "b"])) && wanted(Measure::Always, &hosts(&["a", "a"])));
+    }
+
+    /// Was: the second measurement (after connections were added) reused `PROBE_TAG`, whose
+    /// ordinals the first train's withdrawn receives had put out of step, and left 15 frames per
+    /// link stashed for the rest of the session (and an elastic view's next mesh refused them).
+    #[test]
+    fn measuring_again_leaves_nothing_behind() {
+        use crate::net::frame::{PROBE_AGAIN_TAG, PROBE_TAG};
+        use crate::{CommConfig, Communicator, MemStore};
+        let store = Arc::new(MemStore::new());
+        let handles: Vec<_> = (0..2)
+            .map(|r| {
+                let store = store.clone();
+                std::thread::spawn(move || {
+                    let mut cfg = CommConfig::from_env(r, 2).unwrap();
+                    cfg.timeout = Duration::from_secs(20);
+                    cfg.measure = Measure::Never;
+                    cfg.group = "measure-again".into();
+                    let comm = Communicator::new(&*store, cfg).unwrap();
+                    let session = comm.session();
+                    let rtts = [(1 - r, Duration::from_millis(1))];
+                    let deadline = Instant::now() + Duration::from_secs(20);
+                    let first = measure_bandwidth(session, &rtts, deadline, PROBE_TAG).unwrap();
+                    let again = measure_bandwidth(session, &rtts, deadline, PROBE_AGAIN_TAG).unwrap();
+                    comm.barrier(None, true).unwrap().wait(None).unwrap().unwrap();
+                    let left = session.mailbox.stashed_len();
+                    comm.close();
+                    (first[0].1.is_some() && again[0].1.is_some(), left)
+                })
+            })
+            .collect();
+        for h in handles {
+            assert_eq!(h.join().unwrap(), (true, 0), "both measurements read a rate and left no frame stashed");
+        }
     }
 
     #[test]

@@ -87,6 +87,11 @@ pub const PONG_TAG: u64 = u64::MAX - 1;
 /// `PROBE_FRAME_BYTES`, sent once the receiver says it is ready with a `PROBE_GO_TAG` word.
 pub const PROBE_TAG: u64 = u64::MAX - 2;
 pub const PROBE_GO_TAG: u64 = u64::MAX - 3;
+/// The trains of the measurement that follows connections added to a link. A train's receiver
+/// posts receives ahead and withdraws the ones the train did not fill, so `PROBE_TAG`'s ordinals
+/// are out of step between the two ends after a train: a second measurement needs a tag of its
+/// own.
+pub const PROBE_AGAIN_TAG: u64 = u64::MAX - 4;
 /// Larger than the 64 KiB a link always sends on its first connection, so a train spreads over
 /// every connection of a link that has several.
 pub const PROBE_FRAME_BYTES: u64 = 256 * 1024;

@@ -87,7 +87,7 @@ pub(super) fn check_hello(h: &Hello, e: &Hello) -> Option<String> {
         format!("sender rank {} out of range for world size {}", h.from, e.world)
     } else if h.from <= me {
         format!("rank {} must listen for rank {me}, not connect to it (the higher rank connects)", h.from)
-    } else if h.lanes != e.lanes && !(h.lane >= e.lanes && h.lanes > e.lanes) {
+    } else if h.lanes != e.lanes && !(h.lane >= e.lanes && h.lanes > e.lanes && h.lanes <= MAX_LANES) {
         format!(
             "rank {} opens {} connection(s) per peer, this rank {} (set PLAIT_STREAMS the same on every rank)",
             h.from, h.lanes, e.lanes
@@ -98,6 +98,9 @@ pub(super) fn check_hello(h: &Hello, e: &Hello) -> Option<String> {
         return e.mode.refusal(h.from, h.mode);
     })
 }
+
+/// The most connections a pair of ranks may have (`PLAIT_STREAMS`, `PLAIT_STREAMS_MAX`).
+pub const MAX_LANES: u8 = 16;
 
 pub(super) fn read_hello(s: &mut TcpStream, deadline: Instant) -> Result<Hello, HsFail> {
     let io = |e: io::Error| HsFail::Io(describe_read_error(&e));

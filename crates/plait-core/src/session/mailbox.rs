@@ -34,7 +34,9 @@ use super::Event;
 use crate::codec::Wire;
 use crate::dtype::DType;
 use crate::error::PlaitError;
-use crate::net::frame::{CallId, FrameHeader, FrameKind, PIECE_TAGS, PIECE_TAG_LIMIT, PONG_TAG, PROBE_FRAME_BYTES, PROBE_GO_TAG, PROBE_TAG, RESERVED_TAGS};
+use crate::net::frame::{
+    CallId, FrameHeader, FrameKind, PIECE_TAGS, PIECE_TAG_LIMIT, PONG_TAG, PROBE_AGAIN_TAG, PROBE_FRAME_BYTES, PROBE_GO_TAG, PROBE_TAG, RESERVED_TAGS,
+};
 use crate::net::peer::{Delivery, LaneWaker};
 use crossbeam_channel::Sender;
 use parking_lot::Mutex;
@@ -626,7 +628,7 @@ fn refuse_hostile(h: &FrameHeader) -> io::Result<()> {
         // probes are received by the start-up that asked for them.
         let allowed = match h.seq {
             PONG_TAG | PROBE_GO_TAG => 8,
-            PROBE_TAG => PROBE_FRAME_BYTES,
+            PROBE_TAG | PROBE_AGAIN_TAG => PROBE_FRAME_BYTES,
             t if t & PIECE_TAGS == PIECE_TAGS && t & !PIECE_TAGS < PIECE_TAG_LIMIT => FRAME_MAX_BYTES,
             _ => 0,
         };

@@ -329,7 +329,7 @@ fn a_frame_whose_receive_is_posted_is_not_limited_by_the_budget() {
 #[test]
 fn a_message_with_a_reserved_tag_that_nothing_receives_is_refused() {
     let m = Mailbox::new();
-    for tag in [RESERVED_TAGS, RESERVED_TAGS + 17, PROBE_GO_TAG - 1] {
+    for tag in [RESERVED_TAGS, RESERVED_TAGS + 17, PROBE_GO_TAG - 2] {
         let err = deliver(&m, 1, &p2p(tag, 0, b"abcd"), b"abcd").expect_err("refused");
         assert!(err.to_string().contains("reserved tag"), "{err}");
     }
@@ -337,6 +337,7 @@ fn a_message_with_a_reserved_tag_that_nothing_receives_is_refused() {
     deliver(&m, 1, &p2p(PONG_TAG, 0, &[0u8; 8]), &[0u8; 8]).unwrap();
     deliver(&m, 1, &p2p(PROBE_GO_TAG, 0, &[0u8; 8]), &[0u8; 8]).unwrap();
     deliver(&m, 1, &p2p(PROBE_TAG, 0, b"abcd"), b"abcd").unwrap();
+    deliver(&m, 1, &p2p(crate::net::frame::PROBE_AGAIN_TAG, 0, b"abcd"), b"abcd").unwrap();
     let big = vec![0u8; PROBE_FRAME_BYTES as usize + 1];
     assert!(deliver(&m, 1, &p2p(PROBE_TAG, 1, &big), &big).is_err(), "a probe frame over its size is refused");
 }
