@@ -23,8 +23,16 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 const FRAME: usize = PROBE_FRAME_BYTES as usize;
-/// Frames posted (receiver) or queued (sender) ahead.
+/// Frames posted (receiver) or queued (sender) ahead, per connection of the link: frames take the
+/// connections in turn and complete in order, so a link of several connections needs as many
+/// more in flight, or its slowest connection holds the others idle.
 const AHEAD: usize = 16;
+/// At most this many frames ahead (16 MiB), whatever the connections.
+const MAX_AHEAD: usize = 64;
+
+fn ahead(session: &Session, peer: usize) -> usize {
+    (AHEAD * session.link(peer).lanes()).min(MAX_AHEAD)
+}
 const MIN_FRAMES: usize = 8;
 pub(crate) const MIN_TRAIN: Duration = Duration::from_millis(30);
 pub(crate) const MAX_TRAIN: Duration = Duration::from_secs(1);
@@ -96,7 +104,7 @@ fn send_train(session: &Arc<Session>, to: usize, time: Duration, deadline: Insta
         let data = RawBuf { ptr: buf.as_ptr() as *mut u8, len: FRAME };
         queued.push_back(p2p::start_send(session, to, tag, DType::U8, data, "bandwidth probe".into())?);
         frames += 1;
-        while queued.len() > AHEAD || (done && !queued.is_empty()) {
+        while queued.len() > ahead(session, to) || (done && !queued.is_empty()) {
             p2p::finish_p2p(session, queued.pop_front().unwrap(), left(deadline))?;
         }
         if done {
@@ -108,7 +116,7 @@ fn send_train(session: &Arc<Session>, to: usize, time: Duration, deadline: Insta
 /// Posts receives for `from`'s train, says go, and times each frame's arrival until the marked
 /// one; the rate over the second half of the train.
 fn receive_train(session: &Arc<Session>, from: usize, deadline: Instant, tag: u64) -> Result<Option<f64>> {
-    let mut slots = vec![vec![0u8; FRAME]; AHEAD];
+    let mut slots = vec![vec![0u8; FRAME]; ahead(session, from)];
     let mut posted = std::collections::VecDeque::new();
     for (i, slot) in slots.iter_mut().enumerate() {
         posted.push_back((i, p2p::start_recv(session, Some(from), tag, DType::U8, RawBuf::of(slot), "bandwidth probe".into())?));
