@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -113,9 +114,11 @@ def test_topology_fits_the_cost_model_and_its_setting_gives_the_fitted_predictio
     for old, new in zip(rep["rows"], again["rows"]):
         assert new["predicted_s"] == pytest.approx(old["fitted_s"], rel=2e-3), (old, new)
     env["PLAIT_COST_MODEL"] = "alpha=fast"
+    t0 = time.monotonic()
     proc = subprocess.run(CLI + ["topology", "--local", "2", "--sizes", "4K"], capture_output=True, text=True,
                           timeout=180, env=env)
     assert proc.returncode != 0 and "PLAIT_COST_MODEL" in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+    assert time.monotonic() - t0 < 60, "every rank fails at once, none waits out the timeout on the store"
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the testbed is Linux-only")

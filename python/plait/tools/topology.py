@@ -215,6 +215,9 @@ def run_rank(rank, n, master_addr, port, *, sizes, bench, iters, timeout, json_p
     from .doctor import open_rank_store
 
     os.environ.setdefault("PLAIT_MEASURE", "1")
+    # A malformed setting fails every rank at once, before any waits on the store (rank 0 serves
+    # it: a rank 0 that failed first would leave the others retrying until the timeout).
+    plait._core.env_config()
     store = open_rank_store(rank, n, master_addr, port, timeout)
     comm = plait.Communicator(store, rank, n, timeout=timeout)
     try:
