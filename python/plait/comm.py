@@ -147,8 +147,8 @@ class Communicator:
         its own latency and rate."""
         return self._comm.predict(coll, nbytes, root, algo)
 
-    def fit_cost_model(self, runs: List[Tuple[str, str, int, float]]) -> Dict[str, Any]:
-        """The cost model's constants fitted to measured runs `(coll, algo, nbytes, seconds)`:
+    def fit_cost_model(self, runs: List[Tuple[str, str, int, int, float]]) -> Dict[str, Any]:
+        """The cost model's constants fitted to measured runs `(coll, algo, nbytes, root, seconds)`:
         `{"setting": the PLAIT_COST_MODEL text that uses them, "alpha", "bandwidth", "gamma",
         "before", "after"}` (each run's prediction with the constants in use and with the fitted
         ones). Local to this rank; `plait topology --fit` measures the runs and calls it."""

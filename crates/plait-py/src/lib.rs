@@ -598,11 +598,11 @@ impl PyComm {
         self.comm.predict(collective(coll)?, nbytes, root, algo.as_deref()).map_err(to_py)
     }
 
-    /// The cost model's constants fitted to measured runs, a list of (coll, algo, nbytes,
-    /// seconds): {"setting": PLAIT_COST_MODEL text, "alpha", "bandwidth", "gamma", "before",
-    /// "after": each run's prediction with the constants in use and with the fitted ones}.
-    fn fit_cost_model<'py>(&self, py: Python<'py>, runs: Vec<(Named, String, usize, f64)>) -> PyResult<Bound<'py, PyDict>> {
-        let runs = runs.into_iter().map(|(c, a, n, t)| Ok((collective(c)?, a, n, t))).collect::<PyResult<Vec<_>>>()?;
+    /// The cost model's constants fitted to measured runs, a list of (coll, algo, nbytes, root,
+    /// seconds): {"setting": PLAIT_COST_MODEL text, "alpha", "bandwidth", "gamma", "parallelism",
+    /// "before", "after": each run's prediction with the constants in use and with the fitted ones}.
+    fn fit_cost_model<'py>(&self, py: Python<'py>, runs: Vec<(Named, String, usize, usize, f64)>) -> PyResult<Bound<'py, PyDict>> {
+        let runs = runs.into_iter().map(|(c, a, n, r, t)| Ok((collective(c)?, a, n, r, t))).collect::<PyResult<Vec<_>>>()?;
         let fit = py.allow_threads(|| self.comm.fit_cost_model(&runs)).map_err(to_py)?;
         let d = PyDict::new(py);
         d.set_item("setting", fit.setting)?;

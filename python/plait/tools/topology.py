@@ -194,13 +194,13 @@ def error_factor(pairs):
     return math.exp(math.sqrt(sum(logs) / len(logs))) if logs else None
 
 
-def fit_report(comm, rows, coll="allreduce"):
+def fit_report(comm, rows, coll="allreduce", root=0):
     """The cost model's constants fitted to the measured rows (rank 0 alone may call it): the
     `PLAIT_COST_MODEL` text, the constants, each row's prediction after the fit, and the typical
     error factor (exp of the root mean squared log error) before and after."""
-    runs = [(coll, r["algorithm"], r["bytes"], r["measured_s"]) for r in rows if r["measured_s"]]
+    runs = [(coll, r["algorithm"], r["bytes"], root, r["measured_s"]) for r in rows if r["measured_s"]]
     fit = comm.fit_cost_model(runs)
-    measured = [r[3] for r in runs]
+    measured = [r[4] for r in runs]
     fit["error_before"], fit["error_after"] = error_factor(zip(fit["before"], measured)), error_factor(zip(fit["after"], measured))
     after = iter(fit["after"])
     for r in rows:
@@ -223,7 +223,7 @@ def run_rank(rank, n, master_addr, port, *, sizes, bench, iters, timeout, json_p
     try:
         rep = measure_world(comm, sizes, bench or fit, iters, coll, root)
         if fit and rank == 0:
-            rep["fit"] = fit_report(comm, rep["rows"], coll)
+            rep["fit"] = fit_report(comm, rep["rows"], coll, rep["root"])
         comm.barrier()
     finally:
         comm.close()

@@ -29,10 +29,6 @@ const FRAME: usize = PROBE_FRAME_BYTES as usize;
 const AHEAD: usize = 16;
 /// At most this many frames ahead (16 MiB), whatever the connections.
 const MAX_AHEAD: usize = 64;
-
-fn ahead(session: &Session, peer: usize) -> usize {
-    (AHEAD * session.link(peer).lanes()).min(MAX_AHEAD)
-}
 const MIN_FRAMES: usize = 8;
 pub(crate) const MIN_TRAIN: Duration = Duration::from_millis(30);
 pub(crate) const MAX_TRAIN: Duration = Duration::from_secs(1);
@@ -81,6 +77,11 @@ pub(crate) fn measure_bandwidth(session: &Arc<Session>, rtts: &[(usize, Duration
     Ok(rates)
 }
 
+/// Frames in flight for a train over the link to `peer` (`AHEAD`).
+fn ahead(session: &Session, peer: usize) -> usize {
+    (AHEAD * session.link(peer).lanes()).min(MAX_AHEAD)
+}
+
 fn left(deadline: Instant) -> Duration {
     deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1))
 }
@@ -93,7 +94,7 @@ fn send_train(session: &Arc<Session>, to: usize, time: Duration, deadline: Insta
     let body = vec![0u8; FRAME];
     let mut last = vec![0u8; FRAME];
     last[0] = 1;
-    let start = Instant::now();
+    let (start, ahead) = (Instant::now(), ahead(session, to));
     let mut queued = std::collections::VecDeque::new();
     let mut frames = 0usize;
     loop {
@@ -104,7 +105,7 @@ fn send_train(session: &Arc<Session>, to: usize, time: Duration, deadline: Insta
         let data = RawBuf { ptr: buf.as_ptr() as *mut u8, len: FRAME };
         queued.push_back(p2p::start_send(session, to, tag, DType::U8, data, "bandwidth probe".into())?);
         frames += 1;
-        while queued.len() > ahead(session, to) || (done && !queued.is_empty()) {
+        while queued.len() > ahead || (done && !queued.is_empty()) {
             p2p::finish_p2p(session, queued.pop_front().unwrap(), left(deadline))?;
         }
         if done {

@@ -471,21 +471,21 @@ impl Communicator {
         Ok((self.selector.estimate(&s, &blocks), s.label()))
     }
 
-    /// The cost model's constants fitted to measured runs `(collective, algorithm, bytes,
+    /// The cost model's constants fitted to measured runs `(collective, algorithm, bytes, root,
     /// seconds)` (`plait topology --fit`): the `PLAIT_COST_MODEL` text that gives them, and each
     /// run's prediction before and after.
-    pub fn fit_cost_model(&self, runs: &[(Collective, String, usize, f64)]) -> Result<CostFit> {
-        let n = self.cfg.size;
+    pub fn fit_cost_model(&self, runs: &[(Collective, String, usize, usize, f64)]) -> Result<CostFit> {
         let built = runs
             .iter()
-            .map(|(coll, algo, nbytes, secs)| {
-                Ok((self.selector.choose(*coll, n, 0, &self.even_blocks(*nbytes), Some(algo))?, self.even_blocks(*nbytes), *secs))
+            .map(|(coll, algo, nbytes, root, secs)| {
+                let blocks = self.even_blocks(*nbytes);
+                Ok((self.selector.choose(*coll, self.cfg.size, *root, &blocks, Some(algo))?, blocks, *secs))
             })
             .collect::<Result<Vec<_>>>()?;
-        let samples: Vec<Sample> = built.iter().map(|(s, b, secs)| Sample { schedule: s, block_bytes: b.clone(), seconds: *secs }).collect();
+        let samples: Vec<Sample> = built.iter().map(|(s, b, secs)| Sample { schedule: s, block_bytes: b, seconds: *secs }).collect();
         let fitted = self.selector.fitted(&samples);
-        let before = samples.iter().map(|s| self.selector.estimate(s.schedule, &s.block_bytes)).collect();
-        let after = samples.iter().map(|s| self.selector.estimate_with(&fitted, s.schedule, &s.block_bytes)).collect();
+        let before = samples.iter().map(|s| self.selector.estimate(s.schedule, s.block_bytes)).collect();
+        let after = samples.iter().map(|s| self.selector.estimate_with(&fitted, s.schedule, s.block_bytes)).collect();
         Ok(CostFit {
             setting: Constants::text_of(&fitted),
             alpha: fitted.alpha,

@@ -24,16 +24,38 @@ pub(crate) struct P2pStarted {
     /// Events to wait for: one per piece posted or queued.
     events: usize,
     /// An any-source receive of a message in pieces: the pieces after the first, posted once the
-    /// first has come and named its sender.
-    rest: Option<Rest>,
+    /// first has come and named its sender and ordinal.
+    rest: Option<Receive>,
 }
 
-/// The pieces of an any-source receive still to post (see `P2pStarted::rest`).
-struct Rest {
+/// A receive cut in pieces: where each lands in `dst`.
+struct Receive {
     tag: u64,
     dtype: DType,
     dst: RawBuf,
     pieces: Vec<(usize, usize)>,
+}
+
+impl Receive {
+    /// The posted receive of piece `j`, landing in its part of `dst`, kept by `keeps[j]`.
+    fn piece(&self, j: usize, transfers: &Transfers<P2pMemory>, keeps: &[Arc<Keep>], what: &Arc<str>) -> Posted {
+        let (at, len) = self.pieces[j];
+        let call = CallId { dtype: self.dtype as u8, ..Default::default() };
+        let count = (self.dst.len / self.dtype.size()) as u64;
+        let expect = Expect { call, count, nbytes: len as u64, what: what.clone() };
+        // SAFETY: the caller's buffer, alive until every piece has reported or been withdrawn;
+        // the pieces tile it.
+        let landing = Landing::Copy { dst: unsafe { self.dst.ptr.add(at) }, keep: Some(keeps[j].clone()) };
+        Posted { landing, len, wire: Wire::Native, expect, op_id: transfers.op_id(), token: 0, events: transfers.issue(), reported: false }
+    }
+
+    /// Posts the pieces after the first, from `peer`, whose first piece has ordinal `first`.
+    fn post_rest(&self, session: &Session, peer: usize, first: u32, transfers: &Transfers<P2pMemory>, keeps: &[Arc<Keep>], what: &Arc<str>) {
+        for j in 1..self.pieces.len() {
+            let (t, ordinal) = piece_key(self.tag, first, j);
+            session.mailbox.post_p2p_at(peer, t, ordinal, self.piece(j, transfers, keeps, what));
+        }
+    }
 }
 
 /// A receive keeps what it overwrites (in `copy`, one `Keep` per piece), to put back if it fails.
@@ -101,8 +123,7 @@ pub(crate) fn start_send(session: &Arc<Session>, peer: usize, tag: u64, dtype: D
     let first = session.p2p_ordinal(peer, tag);
     for (j, &(at, len)) in parts.iter().enumerate() {
         let (t, ordinal) = piece_key(tag, first, j);
-        let mut header = FrameHeader::p2p(t, ordinal, dtype as u8, count as u64, len as u64);
-        header.step = if j == 0 && parts.len() > 1 { parts.len() as u32 } else { 0 };
+        let header = FrameHeader::p2p(t, ordinal, dtype as u8, count as u64, len as u64);
         // SAFETY: at + len <= data.len (the pieces tile the message).
         session.send_frame(peer, header, unsafe { data.ptr.add(at) }, len, None, what.clone(), 0, transfers.issue());
     }
@@ -123,24 +144,15 @@ pub(crate) fn start_recv(session: &Arc<Session>, src: Option<usize>, tag: u64, d
     let keeps: Vec<Arc<Keep>> =
         parts.iter().map(|&(at, len)| Arc::new(unsafe { Keep::new(dst.ptr.add(at), copy.as_mut_ptr().add(at), len) })).collect();
     let transfers = Transfers::new(session, what.clone(), P2pMemory::Recv { keeps: keeps.clone(), copy });
-    let post = |j: usize| {
-        let (at, len) = parts[j];
-        let call = CallId { dtype: dtype as u8, ..Default::default() };
-        let expect = Expect { call, count: count as u64, nbytes: len as u64, what: what.clone() };
-        // SAFETY: as above.
-        let landing = Landing::Copy { dst: unsafe { dst.ptr.add(at) }, keep: Some(keeps[j].clone()) };
-        Posted { landing, len, wire: Wire::Native, expect, op_id: transfers.op_id(), token: 0, events: transfers.issue(), reported: false }
-    };
-    let first = session.mailbox.post_p2p(src, tag, post(0));
+    let receive = Receive { tag, dtype, dst, pieces: parts };
+    let first = session.mailbox.post_p2p(src, tag, receive.piece(0, &transfers, &keeps, &what));
+    let k = receive.pieces.len();
     let (events, rest) = match (src, first) {
         (Some(peer), Some(first)) => {
-            for j in 1..parts.len() {
-                let (t, ordinal) = piece_key(tag, first, j);
-                session.mailbox.post_p2p_at(peer, t, ordinal, post(j));
-            }
-            (parts.len(), None)
+            receive.post_rest(session, peer, first, &transfers, &keeps, &what);
+            (k, None)
         }
-        _ if parts.len() > 1 => (1, Some(Rest { tag, dtype, dst, pieces: parts })),
+        _ if k > 1 => (1, Some(receive)),
         _ => (1, None),
     };
     Ok(P2pStarted { transfers, start, what, peer: src.unwrap_or(usize::MAX), events, rest })
@@ -161,10 +173,10 @@ pub(crate) fn finish_p2p(session: &Session, mut p: P2pStarted, timeout: Duration
         match wait_one(session, &p.transfers, p.start, timeout, &p.what, waited_for, doing) {
             Ok((source, ordinal)) => {
                 (p.peer, left) = (source, left - 1);
-                if let Some(rest) = p.rest.take() {
+                if let (Some(rest), P2pMemory::Recv { keeps, .. }) = (p.rest.take(), &p.transfers.memory) {
                     // The first piece named the sender and its ordinal: the other pieces follow.
                     left += rest.pieces.len() - 1;
-                    post_rest(session, &p, rest, source, ordinal);
+                    rest.post_rest(session, source, ordinal, &p.transfers, keeps, &p.what);
                 }
                 result = Ok(source);
             }
@@ -186,22 +198,6 @@ pub(crate) fn finish_p2p(session: &Session, mut p: P2pStarted, timeout: Duration
             }
             Err(with_waited(first.for_op(&p.what), p.start.elapsed()))
         }
-    }
-}
-
-/// Posts the pieces after the first of an any-source receive, from `source`, whose first piece
-/// came with `ordinal`; `p` then waits for them too.
-fn post_rest(session: &Session, p: &P2pStarted, rest: Rest, source: usize, ordinal: u32) {
-    let P2pMemory::Recv { keeps, .. } = &p.transfers.memory else { return };
-    let count = rest.dst.len / rest.dtype.size();
-    for (j, &(at, len)) in rest.pieces.iter().enumerate().skip(1) {
-        let call = CallId { dtype: rest.dtype as u8, ..Default::default() };
-        let expect = Expect { call, count: count as u64, nbytes: len as u64, what: p.what.clone() };
-        // SAFETY: the caller's buffer, alive until every piece has reported or been withdrawn.
-        let landing = Landing::Copy { dst: unsafe { rest.dst.ptr.add(at) }, keep: Some(keeps[j].clone()) };
-        let posted = Posted { landing, len, wire: Wire::Native, expect, op_id: p.transfers.op_id(), token: 0, events: p.transfers.issue(), reported: false };
-        let (t, o) = piece_key(rest.tag, ordinal, j);
-        session.mailbox.post_p2p_at(source, t, o, posted);
     }
 }
 

@@ -273,9 +273,10 @@ impl Constants {
 
 /// One measured run for [`fit`]: a schedule, the block sizes it ran with, and its measured
 /// seconds (the slowest rank's).
+#[derive(Clone, Copy)]
 pub struct Sample<'a> {
     pub schedule: &'a Schedule,
-    pub block_bytes: Vec<usize>,
+    pub block_bytes: &'a [usize],
     pub seconds: f64,
 }
 
@@ -287,14 +288,13 @@ const FITTED: [fn(&mut LinkModel) -> &mut f64; 4] = [|m| &mut m.alpha, |m| &mut 
 /// nonsense.
 pub const FIT_BOUNDS: [(f64, f64); 4] = [(1e-7, 1.0), (1e5, 1e12), (1e-13, 1e-6), (1.0, 64.0)];
 
-#[cfg(test)]
 /// The mean squared log error of `model` over `samples`: how far off its predictions are, as a
 /// ratio either way (a prediction twice too high costs what one half too low does).
 pub fn log_error(samples: &[Sample], model: &LinkModel, segment_bytes: usize) -> f64 {
     let n = samples.len().max(1) as f64;
     samples
         .iter()
-        .map(|s| (estimate(s.schedule, &s.block_bytes, model, segment_bytes) / s.seconds).ln().powi(2))
+        .map(|s| (estimate(s.schedule, s.block_bytes, model, segment_bytes) / s.seconds).ln().powi(2))
         .sum::<f64>()
         / n
 }
@@ -310,10 +310,8 @@ const MIN_GAIN: f64 = 1e-3;
 /// Constants the samples do not depend on (bandwidth when every link is measured) stay as they
 /// were.
 pub fn fit(samples: &[Sample], start: &LinkModel, segment_bytes: usize) -> LinkModel {
-    let samples: Vec<&Sample> = samples.iter().filter(|s| s.seconds > 0.0 && s.seconds.is_finite()).collect();
-    let err = |m: &LinkModel| {
-        samples.iter().map(|s| (estimate(s.schedule, &s.block_bytes, m, segment_bytes) / s.seconds).ln().powi(2)).sum::<f64>()
-    };
+    let samples: Vec<Sample> = samples.iter().filter(|s| s.seconds > 0.0 && s.seconds.is_finite()).copied().collect();
+    let err = |m: &LinkModel| log_error(&samples, m, segment_bytes);
     let mut best = start.clone();
     if samples.is_empty() {
         return best;
@@ -378,9 +376,10 @@ mod tests {
             for total in [4 << 10, 256 << 10, 4 * MIB, 64 * MIB] {
                 let blocks = vec![total / 4; 4];
                 let seconds = estimate(s, &blocks, &truth, MIB);
-                samples.push(Sample { schedule: s, block_bytes: blocks, seconds });
+                samples.push((s, blocks, seconds));
             }
         }
+        let samples: Vec<Sample> = samples.iter().map(|(s, b, t)| Sample { schedule: *s, block_bytes: b, seconds: *t }).collect();
         let start = LinkModel::default();
         let before = log_error(&samples, &start, MIB);
         let fitted = fit(&samples, &start, MIB);

@@ -237,14 +237,13 @@ impl Mailbox {
     /// the ordinal it takes (None for any source: it takes the next message of whoever sends).
     pub fn post_p2p(&self, src: Option<usize>, tag: u64, p: Posted) -> Option<u32> {
         let mut inner = self.inner.lock();
-        if let Some(err) = &inner.broken {
-            let err = err.clone();
-            drop(inner);
-            p.report(Err(err), src.unwrap_or(0));
-            return None;
-        }
         let kind = FrameKind::P2p as u8;
         let Some(peer) = src else {
+            if let Some(err) = inner.broken.clone() {
+                drop(inner);
+                p.report(Err(err), 0);
+                return None;
+            }
             // Behind any-source receives already waiting: they take stashed messages first.
             inner.any_source.entry(tag).or_default().push(p);
             let ready = next_in_line_for_any_source(&mut inner, tag);
@@ -264,19 +263,17 @@ impl Mailbox {
     /// Posts a receive for the message from `peer` with `tag` and `ordinal` exactly (the pieces
     /// of a message after its first, see `exec::p2p::pieces`): it takes no ordinal in turn.
     pub fn post_p2p_at(&self, peer: usize, tag: u64, ordinal: u32, p: Posted) {
-        let inner = self.inner.lock();
-        if let Some(err) = &inner.broken {
-            let err = err.clone();
+        self.post_keyed(self.inner.lock(), (peer, FrameKind::P2p as u8, tag, 0, 0, ordinal), p);
+    }
+
+    /// Lands the stashed message `key` in `p`, or posts `p` for it (fails it on a broken mailbox).
+    fn post_keyed(&self, mut inner: parking_lot::MutexGuard<'_, Inner>, key: Key, p: Posted) {
+        let peer = key.0;
+        if let Some(err) = inner.broken.clone() {
             drop(inner);
             p.report(Err(err), peer);
             return;
         }
-        self.post_keyed(inner, (peer, FrameKind::P2p as u8, tag, 0, 0, ordinal), p);
-    }
-
-    /// Lands the stashed message `key` in `p`, or posts `p` for it.
-    fn post_keyed(&self, mut inner: parking_lot::MutexGuard<'_, Inner>, key: Key, p: Posted) {
-        let peer = key.0;
         match inner.stash.remove(&key) {
             Some(s) => {
                 inner.room_freed(peer);
