@@ -7,6 +7,7 @@
 
 use super::config::{CommConfig, Measure, MAX_STREAMS};
 use super::measure;
+use super::relay;
 use super::topology::{self, LinkRecord, RouteFile, Topology};
 use crate::dtype::DType;
 use crate::error::{PlaitError, Result};
@@ -53,7 +54,26 @@ struct PeerInfo {
     /// (the ones measuring would wait for the others' probes until the deadline).
     #[serde(default)]
     measure: String,
+    /// `PLAIT_RELAY` on this rank: a rank that would fail where the others relay is named at once.
+    #[serde(default = "yes")]
+    relay: bool,
 }
+
+fn yes() -> bool {
+    true
+}
+
+/// A pair of ranks with no connection of their own: `a < b`, and why (`b` connects to `a`).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+struct Unreachable {
+    a: usize,
+    b: usize,
+    why: String,
+}
+
+/// How long a connection may take before the pair is relayed instead (`PLAIT_RELAY`): a firewall
+/// that drops what it refuses leaves nothing to wait for but the deadline.
+const DIAL_BUDGET: Duration = Duration::from_secs(10);
 
 /// What a mesh grown from the last epoch's takes over (elastic mode: members added at the end,
 /// the others' ranks unchanged, no operation under way): its session's links, mailbox and
@@ -162,8 +182,9 @@ pub(crate) fn bootstrap_from(store: &dyn Store, cfg: &CommConfig, kept: Option<K
         addrs,
         world: size,
         key: key_to_hex(&plan.auth.public_key()),
-        kept: kept.as_ref().map(|k| (0..k.session.size).filter(|&p| p != rank && k.session.links[p].is_some()).collect()).unwrap_or_default(),
+        kept: kept.as_ref().map(|k| k.session.direct_peers()).unwrap_or_default(),
         measure: cfg.measure.name().to_string(),
+        relay: cfg.relay,
     };
     if let Some(k) = &kept {
         // Before the record goes out: no peer sends this epoch's frames before it has it.
@@ -174,7 +195,7 @@ pub(crate) fn bootstrap_from(store: &dyn Store, cfg: &CommConfig, kept: Option<K
     plan.publish(&format!("rank/{rank}"), &serde_json::to_vec(&me).unwrap())?;
 
     let (demux, mut session, mut routes) = match kept {
-        Some(k) => (k.demux, Session::grown(&k.session, size), k.routes),
+        Some(k) => (k.demux, Session::grown(&k.session, size), k.routes.into_iter().filter(|r| r.via.is_none()).collect()),
         None => {
             let mailbox = Arc::new(Mailbox::with_limits(cfg.unexpected_bytes, cfg.timeout));
             let groups = Arc::new(Groups::default());
@@ -185,6 +206,7 @@ pub(crate) fn bootstrap_from(store: &dyn Store, cfg: &CommConfig, kept: Option<K
     session.busy_poll = cfg.busy_poll;
     let kept_peers: Vec<usize> = (0..size).filter(|&p| p != rank && session.links[p].is_some()).collect();
     let mut dialed = Vec::new();
+    let mut unreachable = Vec::new();
     let watching = std::sync::atomic::AtomicBool::new(true);
     let connected = std::thread::scope(|scope| {
         if let Some(give_up) = &cfg.give_up {
@@ -207,6 +229,7 @@ pub(crate) fn bootstrap_from(store: &dyn Store, cfg: &CommConfig, kept: Option<K
         let r = rendezvous(&plan, &me).and_then(|infos| {
             check_kept(&session, &infos)?;
             check_measure(cfg, &infos)?;
+            check_relay(cfg, &infos)?;
             if let Some(l) = &listener {
                 let higher: Vec<(u32, Vec<_>)> =
                     infos[rank + 1..].iter().map(|i| (i.rank as u32, i.addrs.iter().map(|a| a.ip).collect())).collect();
@@ -214,6 +237,7 @@ pub(crate) fn bootstrap_from(store: &dyn Store, cfg: &CommConfig, kept: Option<K
             }
             let routing = Routing { me: &me, infos: &infos, filter: filter.as_ref(), file: route_file.as_ref() };
             connect_mesh(&plan, &routing, listener.as_ref(), &demux, &mut session, &mut routes, &mut dialed)?;
+            unreachable = reach(&plan, &routing, &demux, &mut session)?;
             Ok(infos)
         });
         watching.store(false, std::sync::atomic::Ordering::SeqCst);
@@ -241,6 +265,10 @@ pub(crate) fn bootstrap_from(store: &dyn Store, cfg: &CommConfig, kept: Option<K
         add_lanes(&plan, &session, listener.as_ref(), &infos, &dialed, &grow, &mut routes)?;
         measure_links(&session, &rtts, &mut routes, plan.deadline, PROBE_AGAIN_TAG)?;
         share_links(&plan, "links-grown", &mut routes)
+    });
+    let all_links = all_links.and_then(|mut all| {
+        set_relays(&session, &demux, &unreachable, &mut all, &mut routes)?;
+        Ok(all)
     });
     let all_links = match all_links {
         Ok(all) => all,
@@ -286,6 +314,17 @@ fn check_measure(cfg: &CommConfig, infos: &[PeerInfo]) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// Every rank must relay alike: a rank that would fail where its peers relay leaves them waiting.
+fn check_relay(cfg: &CommConfig, infos: &[PeerInfo]) -> Result<()> {
+    match infos.iter().find(|i| i.relay != cfg.relay) {
+        Some(info) => Err(PlaitError::Config(format!(
+            "PLAIT_RELAY={} on this rank ({}) and {} on rank {} ({}): set it the same on every rank",
+            cfg.relay as u8, cfg.rank, info.relay as u8, info.rank, info.host
+        ))),
+        None => Ok(()),
+    }
 }
 
 /// A link is kept only if both ends kept it: a rank whose last mesh failed (or that is new)
@@ -418,6 +457,7 @@ fn connect_mesh(
     dialed: &mut Vec<(usize, Route)>,
 ) -> Result<()> {
     let (rank, lanes) = (plan.cfg.rank, plan.hello.lanes);
+    let mut unreachable = Vec::new();
     let start = |peer: usize, addr: String, streams: Vec<LinkStream>, session: &mut Session| -> Result<()> {
         session.attach_link(peer, PeerLink::start(peer, addr, streams, demux.clone(), plan.heartbeat)?)?;
         Ok(())
@@ -428,7 +468,31 @@ fn connect_mesh(
         }
         let info = &routing.infos[peer];
         let first = Hello { to: peer as u32, ..plan.hello.clone() };
-        let (stream, route) = connect_first(&routing.candidates(peer)?, info, &first, &plan.auth, plan.deadline)?;
+        if let Some(file) = routing.file.filter(|f| f.relayed(rank, peer)) {
+            unreachable.push(Unreachable { a: peer, b: rank, why: format!("the route file {} says \"relay\"", file.path) });
+            if !plan.cfg.relay {
+                let _ = plan.publish(&format!("reach/{rank}"), &serde_json::to_vec(&unreachable).unwrap());
+                return Err(PlaitError::Config(format!("PLAIT_ROUTES={}: ranks {peer} and {rank} are to be relayed, but PLAIT_RELAY=0", file.path)));
+            }
+            continue;
+        }
+        let dial_by = if plan.cfg.relay { plan.deadline.min(Instant::now() + DIAL_BUDGET) } else { plan.deadline };
+        let (stream, route) = match routing.candidates(peer).and_then(|c| connect_first(&c, info, &first, &plan.auth, dial_by)) {
+            Ok(connected) => connected,
+            // Not the network: start-up was called off, or the settings are wrong.
+            Err(e @ (PlaitError::Aborted { .. } | PlaitError::Config(_) | PlaitError::InvalidArgument(_))) => return Err(e),
+            Err(e) => {
+                let why = e.to_string();
+                unreachable.push(Unreachable { a: peer, b: rank, why: why.clone() });
+                if !plan.cfg.relay {
+                    // Said first, so the peer waiting for this connection fails with the reason too.
+                    let _ = plan.publish(&format!("reach/{rank}"), &serde_json::to_vec(&unreachable).unwrap());
+                    return Err(e);
+                }
+                tracing::warn!(peer, "no connection to rank {peer}: its frames will go through a rank that reaches both: {why}");
+                continue;
+            }
+        };
         let mut streams = vec![stream];
         for lane in 1..lanes {
             streams.push(connect(&route, info.port, &Hello { lane, ..first.clone() }, &plan.auth, plan.deadline)?);
@@ -445,8 +509,17 @@ fn connect_mesh(
         start(peer, format!("{}:{}", route.peer_ip, info.port), streams, session)?;
         dialed.push((peer, route));
     }
+    plan.publish(&format!("reach/{rank}"), &serde_json::to_vec(&unreachable).unwrap())?;
     for (peer, info) in routing.infos.iter().enumerate().skip(rank + 1) {
         if session.links[peer].is_some() {
+            continue;
+        }
+        // The peer says which ranks it could not connect to once it has tried them all (its
+        // connects do not wait for anyone's accepts), so this waits for a connection that comes.
+        if let Some(u) = reach_of(plan, peer)?.into_iter().find(|u| u.a == rank) {
+            if !plan.cfg.relay {
+                return Err(PlaitError::Rendezvous(format!("rank {peer} ({}) could not connect to this rank ({rank}): {} (PLAIT_RELAY=0)", info.host, u.why)));
+            }
             continue;
         }
         let listener = listener.expect("a rank with peers listens");
@@ -469,6 +542,62 @@ fn connect_mesh(
         }
         start(peer, format!("{remote}:{}", info.port), streams, session)?;
     }
+    Ok(())
+}
+
+/// The pairs rank `peer` could not connect (published once it has tried every lower rank).
+fn reach_of(plan: &Plan, peer: usize) -> Result<Vec<Unreachable>> {
+    let raw = plan.store.get(&format!("{}/reach/{peer}", plan.prefix), plan.left())?;
+    serde_json::from_slice(&raw).map_err(|e| PlaitError::Rendezvous(format!("rank {peer} published an unreadable list of ranks it could not connect to: {e}")))
+}
+
+/// Every pair of ranks without a connection of its own, from every rank's list, in order; this
+/// rank's links to its peers among them go through a relay, chosen once the links are measured
+/// (`set_relays`). A pair no rank connects to both fails here, on every rank alike.
+fn reach(plan: &Plan, routing: &Routing, demux: &Arc<Demux>, session: &mut Session) -> Result<Vec<Unreachable>> {
+    let (rank, n) = (plan.cfg.rank, plan.cfg.size);
+    let mut all = Vec::new();
+    for r in 0..n {
+        all.extend(reach_of(plan, r)?);
+    }
+    let cut = |x: usize, y: usize| all.iter().any(|u| (u.a, u.b) == (x.min(y), x.max(y)));
+    for u in &all {
+        if !(0..n).any(|r| r != u.a && r != u.b && !cut(u.a, r) && !cut(r, u.b)) {
+            return Err(PlaitError::Rendezvous(format!(
+                "rank {} ({}) could not connect to rank {} ({}): {}; and no other rank connects to both, so none can pass their frames on",
+                u.b, routing.infos[u.b].host, u.a, routing.infos[u.a].host, u.why
+            )));
+        }
+    }
+    for u in all.iter().filter(|u| u.a == rank || u.b == rank) {
+        let peer = u.a + u.b - rank;
+        let addr = format!("{} (no connection of its own; relayed)", routing.infos[peer].host);
+        session.attach_relayed(peer, PeerLink::relayed(peer, rank, addr, demux.clone(), plan.heartbeat));
+    }
+    Ok(all)
+}
+
+/// Chooses each unreachable pair's relay from the measured links (`relay::choose`), sends this
+/// rank's relayed links through theirs, and adds the relayed links to every rank's records.
+fn set_relays(session: &Session, demux: &Demux, unreachable: &[Unreachable], all: &mut [Vec<LinkRecord>], routes: &mut Vec<LinkRecord>) -> Result<()> {
+    demux.set_relaying(Vec::new());
+    if unreachable.is_empty() {
+        return Ok(());
+    }
+    let rank = session.rank;
+    let pairs: Vec<(usize, usize)> = unreachable.iter().map(|u| (u.a, u.b)).collect();
+    let relays = relay::choose(&pairs, all)
+        .map_err(|(a, b)| PlaitError::Rendezvous(format!("no rank connects to both rank {a} and rank {b}, so none can pass their frames on")))?;
+    let why = |a: usize, b: usize| unreachable.iter().find(|u| (u.a, u.b) == (a, b)).map(|u| u.why.clone()).unwrap_or_default();
+    relay::add_relayed(all, &relays, &why);
+    demux.set_relaying(relays.iter().filter(|r| r.2 == rank).map(|r| (r.0, r.1)).collect());
+    for &(a, b, via) in relays.iter().filter(|&&(a, b, _)| a == rank || b == rank) {
+        let peer = a + b - rank;
+        let through = session.links[via].clone().expect("a relay is connected to both ends");
+        session.link(peer).set_via(via, through);
+        tracing::info!(peer, via, "frames to rank {peer} go through rank {via}");
+    }
+    *routes = all[rank].clone();
     Ok(())
 }
 
@@ -520,7 +649,7 @@ fn probe(session: &Arc<Session>, deadline: Instant) -> Result<Vec<(usize, Durati
     let mut word = [0u8; 8];
     let buf = RawBuf::of(&mut word);
     let mut rtts = Vec::new();
-    for p in (0..session.size).filter(|&p| p != session.rank) {
+    for p in session.direct_peers() {
         let mut best = Duration::MAX;
         for _ in 0..ROUNDS {
             let t0 = Instant::now();

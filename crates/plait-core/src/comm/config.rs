@@ -227,6 +227,13 @@ pub const SETTINGS: &[Setting] = &[
         range: Some(STREAMS),
     },
     Setting {
+        name: "PLAIT_RELAY",
+        kind: "choice",
+        default: "1",
+        doc: "1: two ranks that cannot connect to each other (a firewall or NAT refuses, no route, no cable between them, or \"relay\" in PLAIT_ROUTES) send their frames through a rank that reaches both, chosen from the measured links; start-up gives each connection 10 s before it relays. 0: start-up fails, naming the pair. Set the same on every rank.",
+        range: None,
+    },
+    Setting {
         name: "PLAIT_CALLER_READ_BYTES",
         kind: "bytes",
         default: "65536",
@@ -375,6 +382,8 @@ pub struct CommConfig {
     pub token: Option<Token>,
     /// `PLAIT_ENCRYPT=1`: every frame is encrypted and authenticated.
     pub encrypt: bool,
+    /// `PLAIT_RELAY`: ranks that cannot connect to each other go through a rank that reaches both.
+    pub relay: bool,
     /// Start-up's own deadline, when it is not `timeout` (elastic mode: a view's mesh is either
     /// built at once or not at all). Not a setting.
     pub startup_timeout: Option<Duration>,
@@ -622,9 +631,15 @@ impl CommConfig {
             Some("1") => true,
             Some(v) => return Err(PlaitError::Config(format!("PLAIT_ENCRYPT={v:?} must be 0 or 1"))),
         };
+        let relay = match setting("PLAIT_RELAY").as_deref().map(str::trim) {
+            None | Some("1") => true,
+            Some("0") => false,
+            Some(v) => return Err(PlaitError::Config(format!("PLAIT_RELAY={v:?} must be 0 or 1"))),
+        };
         Ok(CommConfig {
             token: token()?,
             encrypt,
+            relay,
             rank,
             size,
             group: "default".into(),

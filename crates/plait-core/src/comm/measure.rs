@@ -64,15 +64,19 @@ pub(crate) fn measure_bandwidth(session: &Arc<Session>, rtts: &[(usize, Duration
     let (rank, n) = (session.rank, session.size);
     let rtt = |p: usize| rtts.iter().find(|x| x.0 == p).map_or(Duration::ZERO, |x| x.1);
     let mut rates = Vec::with_capacity(n.saturating_sub(1));
+    // A relayed link is not measured: its figures are its two hops' (`relay`).
+    let direct = session.direct_peers();
     for k in 1..n {
         let (to, from) = ((rank + k) % n, (rank + n - k) % n);
         let (sent, rate) = std::thread::scope(|scope| {
-            let sender = scope.spawn(|| send_train(session, to, train_time(rtt(to)), deadline, tag));
-            let rate = receive_train(session, from, deadline, tag);
+            let sender = scope.spawn(|| if direct.contains(&to) { send_train(session, to, train_time(rtt(to)), deadline, tag) } else { Ok(()) });
+            let rate = if direct.contains(&from) { receive_train(session, from, deadline, tag).map(Some) } else { Ok(None) };
             (sender.join().expect("the probe sender does not panic"), rate)
         });
         sent?;
-        rates.push((from, rate?));
+        if let Some(rate) = rate? {
+            rates.push((from, rate));
+        }
     }
     Ok(rates)
 }

@@ -8,6 +8,7 @@
 mod bootstrap;
 pub(crate) mod config;
 mod measure;
+mod relay;
 mod threads;
 mod topology;
 mod work;
@@ -35,7 +36,7 @@ use crate::store::Store;
 use parking_lot::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use threads::{Refusal, Threads, Turn};
 use workers::{Job, Workers};
 
@@ -223,7 +224,11 @@ impl Communicator {
         let routes = self
             .routes
             .iter()
-            .filter_map(|l| Some(LinkRecord { peer: ranks.iter().position(|&r| r == l.peer)?, ..l.clone() }))
+            .filter_map(|l| {
+                // A relay outside the subgroup has no rank in it: the reason still names it.
+                let via = l.via.and_then(|v| ranks.iter().position(|&r| r == v));
+                Some(LinkRecord { peer: ranks.iter().position(|&r| r == l.peer)?, via, ..l.clone() })
+            })
             .collect();
         let threads = cfg.threads;
         Ok(Arc::new(Communicator {
@@ -531,6 +536,10 @@ impl Communicator {
         }
         if self.session.broken().is_none() {
             self.session.broadcast_control(FrameKind::Close, String::new(), Duration::from_secs(1));
+            if let Some(demux) = &self.demux {
+                // Ranks this one relays for may still be sending each other what they need.
+                demux.wait_relayed_closes(Instant::now() + self.cfg.timeout);
+            }
         }
         self.session.close(PlaitError::Broken("the communicator was closed".into()));
         self.workers.close();

@@ -65,6 +65,10 @@ pub struct LinkRecord {
     /// for loopback).
     #[serde(default)]
     pub iface_bytes_per_s: Option<f64>,
+    /// The rank this link's frames go through, for a peer this rank cannot connect to
+    /// (`PLAIT_RELAY`); its latency and rate are those of the two hops (see `comm::relay`).
+    #[serde(default)]
+    pub via: Option<usize>,
 }
 
 impl LinkRecord {
@@ -84,6 +88,7 @@ impl LinkRecord {
             send_buffer: None,
             recv_buffer: None,
             iface_bytes_per_s: None,
+            via: None,
         }
     }
 }
@@ -130,8 +135,12 @@ pub fn classify(records: &[Vec<LinkRecord>]) -> Topology {
     }
 }
 
+/// A route file's entry for a pair with no route of its own.
+pub const RELAY: &str = "relay";
+
 /// `PLAIT_ROUTES`: an N x N JSON matrix; entry [i][j] is the local IP address (or interface
-/// name) rank i uses to reach rank j; null on the diagonal.
+/// name) rank i uses to reach rank j, or `"relay"`: the two have no route of their own, and
+/// their frames go through a rank that reaches both (`PLAIT_RELAY`); null on the diagonal.
 #[derive(Clone, Debug)]
 pub struct RouteFile {
     pub path: String,
@@ -162,6 +171,11 @@ impl RouteFile {
 
     fn entry(&self, i: usize, j: usize) -> &str {
         self.matrix[i][j].as_deref().unwrap_or_default()
+    }
+
+    /// Whether the file says ranks `i` and `j` reach each other through a relay (either entry).
+    pub fn relayed(&self, i: usize, j: usize) -> bool {
+        self.entry(i, j) == RELAY || self.entry(j, i) == RELAY
     }
 
     /// The route rank `me` must use to connect to `peer`, from both ranks' entries.

@@ -24,6 +24,10 @@ pub enum FrameKind {
     /// The sender refused its arguments for collective `seq` (the payload says why, UTF-8): it
     /// takes no part in that call, and the others end it instead of waiting.
     Refuse = 6,
+    /// Another frame on its way between two ranks that have no connection of their own
+    /// (`FrameHeader::relay`): the payload is that frame, header and all. The rank in between
+    /// passes it on; the rank it is for reads it as if it came straight from its sender.
+    Relay = 7,
 }
 
 impl FrameKind {
@@ -35,6 +39,7 @@ impl FrameKind {
             4 => FrameKind::Abort,
             5 => FrameKind::Close,
             6 => FrameKind::Refuse,
+            7 => FrameKind::Relay,
             _ => return None,
         })
     }
@@ -134,6 +139,17 @@ impl FrameHeader {
     /// The `ordinal`-th message from this rank to one peer with `tag`.
     pub fn p2p(tag: u64, ordinal: u32, dtype: u8, count: u64, nbytes: u64) -> FrameHeader {
         FrameHeader { kind: FrameKind::P2p as u8, dtype, seq: tag, ordinal, count, nbytes, ..Default::default() }
+    }
+
+    /// The envelope of a frame of `inner_nbytes` payload bytes from rank `origin` to rank `dest`,
+    /// through the rank between them: the inner header and its payload follow.
+    pub fn relay(origin: usize, dest: usize, inner_nbytes: u64) -> FrameHeader {
+        FrameHeader { kind: FrameKind::Relay as u8, seq: origin as u64, root: dest as u32, nbytes: HEADER_LEN as u64 + inner_nbytes, ..Default::default() }
+    }
+
+    /// A relay envelope's sender and the rank it is for.
+    pub fn relay_ends(&self) -> (usize, usize) {
+        (self.seq.min(u32::MAX as u64) as usize, self.root as usize)
     }
 
     /// The call this frame belongs to (a point-to-point message: its tag and dtype only).

@@ -15,7 +15,7 @@ use parking_lot::{Mutex, RwLock};
 use std::io::{self, Read, Write};
 use std::net::{Shutdown, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Weak};
+use std::sync::{Arc, OnceLock, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -28,6 +28,13 @@ pub trait Inbox: Send + Sync {
     /// Must consume exactly `header.nbytes` bytes from `payload` (or fail), or none of them and
     /// answer `Parked` (only when `lane` is given): see `Delivery`.
     fn deliver(&self, peer: usize, header: &FrameHeader, payload: &mut dyn Read, lane: Option<&LaneWaker>) -> io::Result<Delivery>;
+    /// A frame inside a relay envelope (`FrameKind::Relay`) that rank `origin` sent to rank `dest`
+    /// and the lane's peer `via` passed on; `header` is the frame's own, and `payload` holds its
+    /// payload (the envelope's header and the frame's were read). As `deliver` otherwise.
+    fn deliver_relayed(&self, via: usize, origin: usize, dest: usize, header: &FrameHeader, payload: &mut dyn Read, lane: Option<&LaneWaker>) -> io::Result<Delivery> {
+        let _ = (origin, dest, header, payload, lane);
+        Err(io::Error::new(io::ErrorKind::InvalidData, format!("rank {via} sent a relayed frame, which this link does not take")))
+    }
     /// The link to `peer` ended: `clean` when the peer said Close first.
     fn link_down(&self, peer: usize, error: io::Error, clean: bool);
 }
@@ -113,6 +120,16 @@ pub struct PeerLink {
     deaf: Arc<AtomicBool>,
     closing: Arc<AtomicBool>,
     threads: Mutex<Vec<JoinHandle<()>>>,
+    /// Set for a peer this rank has no connection to: the link has no lanes, and its frames go
+    /// through another rank (see `PeerLink::relayed`).
+    relay: Option<Relayed>,
+}
+
+/// Where a relayed link's frames go: inside relay envelopes, over the link to a rank that
+/// reaches both ends. Chosen once, after start-up has measured the links (`set_via`).
+struct Relayed {
+    me: usize,
+    via: OnceLock<(usize, Arc<PeerLink>)>,
 }
 
 /// One TCP connection to the peer.
@@ -152,9 +169,49 @@ impl PeerLink {
             deaf: Arc::new(AtomicBool::new(false)),
             closing: Arc::new(AtomicBool::new(false)),
             threads: Mutex::new(Vec::new()),
+            relay: None,
         });
         link.start_lanes(streams)?;
         Ok(link)
+    }
+
+    /// The link from rank `me` to a `peer` it cannot connect to (a firewall, NAT, no cable): every
+    /// frame goes whole inside a relay envelope (`FrameKind::Relay`) over the link to the rank
+    /// `set_via` names, always on that link's first connection, so the frames of a relayed link
+    /// keep their order end to end (a Close never overtakes data). Frames sent before the relay
+    /// is set fail. The link has no threads of its own: reading, heartbeats and shutting down are
+    /// the relay link's.
+    pub fn relayed(peer: usize, me: usize, addr: String, inbox: Arc<dyn Inbox>, heartbeat: Duration) -> Arc<PeerLink> {
+        Arc::new(PeerLink {
+            addr,
+            peer,
+            inbox,
+            heartbeat,
+            lanes: RwLock::new(Vec::new()),
+            next_lane: AtomicUsize::new(0),
+            epoch_start: Instant::now(),
+            deaf: Arc::new(AtomicBool::new(false)),
+            closing: Arc::new(AtomicBool::new(false)),
+            threads: Mutex::new(Vec::new()),
+            relay: Some(Relayed { me, via: OnceLock::new() }),
+        })
+    }
+
+    /// Whether this link goes through another rank (`relayed`).
+    pub fn is_relayed(&self) -> bool {
+        self.relay.is_some()
+    }
+
+    /// The rank a relayed link goes through, once chosen.
+    pub fn via(&self) -> Option<usize> {
+        self.relay.as_ref()?.via.get().map(|v| v.0)
+    }
+
+    /// Sends this relayed link's frames over `link`, the link to rank `rank`. Once only.
+    pub fn set_via(&self, rank: usize, link: Arc<PeerLink>) {
+        let relay = self.relay.as_ref().expect("only a relayed link has a relay");
+        assert!(!link.is_relayed(), "a relay is reached directly");
+        let _ = relay.via.set((rank, link));
     }
 
     /// Starts more lanes on a running link (start-up found one TCP stream cannot fill it). The
@@ -216,14 +273,18 @@ impl PeerLink {
         Ok(started)
     }
 
+    /// Connections to the peer (a relayed link counts as one: its frames take one connection).
     pub fn lanes(&self) -> usize {
-        self.lanes.read().len()
+        self.lanes.read().len().max(1)
     }
 
     /// Sizes every lane's socket buffers for a link of `bdp_bytes` in flight (see
     /// `tuning::fit_buffers_to_bdp`); returns the size set, if any.
     pub fn fit_buffers_to_bdp(&self, bdp_bytes: usize) -> Option<usize> {
         let lanes = self.lanes.read();
+        if lanes.is_empty() {
+            return None;
+        }
         let per_lane = bdp_bytes.div_ceil(lanes.len());
         let mut set = None;
         for lane in lanes.iter() {
@@ -235,11 +296,35 @@ impl PeerLink {
     /// Queues a frame. `done` runs once it is written (or failed): on this thread when the
     /// frame is small and its lane idle, else on that lane's sender thread.
     pub fn send(&self, req: SendReq) {
+        self.send_on(req, false)
+    }
+
+    /// Sends on the first connection, behind every frame sent so before it (`relayed`). `urgent`:
+    /// ahead of queued frames, as `send_urgent` does.
+    pub fn send_in_order(&self, req: SendReq, urgent: bool) {
+        if let Some(relay) = &self.relay {
+            return self.send_relayed(relay, req, urgent);
+        }
+        if urgent {
+            let lanes = self.lanes.read();
+            if let Err(e) = lanes[0].urgent.send(req) {
+                drop(lanes);
+                drop(e.into_inner()); // reports the failure to its submitter
+            }
+            return;
+        }
+        self.send_on(req, true)
+    }
+
+    fn send_on(&self, req: SendReq, first_lane: bool) {
+        if let Some(relay) = &self.relay {
+            return self.send_relayed(relay, req, false);
+        }
         let small = req.data.len <= EAGER_MAX;
         // `done` runs with the lanes unlocked: it may send again.
         let (result, req) = {
             let lanes = self.lanes.read();
-            let lane = if small || lanes.len() == 1 {
+            let lane = if small || first_lane || lanes.len() == 1 {
                 &lanes[0]
             } else {
                 &lanes[self.next_lane.fetch_add(1, Ordering::Relaxed) % lanes.len()]
@@ -261,6 +346,36 @@ impl PeerLink {
         }
     }
 
+    /// `req` inside a relay envelope, over the relay's first connection (see `relayed`). The frame
+    /// is copied, so the caller's memory is free once this returns.
+    fn send_relayed(&self, relay: &Relayed, mut req: SendReq, urgent: bool) {
+        let done = req.done.take();
+        let Some((_, via)) = relay.via.get() else {
+            if let Some(done) = done {
+                done(Err(io::Error::new(io::ErrorKind::NotConnected, "no rank to relay through has been chosen for it yet")));
+            }
+            return;
+        };
+        let mut inner = Vec::with_capacity(HEADER_LEN + req.data.len);
+        inner.extend_from_slice(&req.header.encode());
+        inner.extend_from_slice(payload_of(&req));
+        let header = FrameHeader::relay(relay.me, self.peer, req.data.len as u64);
+        let data = SendBuf { ptr: inner.as_ptr(), len: inner.len() };
+        via.send_in_order(
+            SendReq {
+                header,
+                data,
+                done: Some(Box::new(move |r| {
+                    drop(inner);
+                    if let Some(done) = done {
+                        done(r);
+                    }
+                })),
+            },
+            urgent,
+        );
+    }
+
     /// Sends a frame whose payload the link owns (no caller memory to keep alive).
     pub fn send_owned(&self, mut header: FrameHeader, payload: Vec<u8>) {
         header.nbytes = payload.len() as u64;
@@ -272,6 +387,16 @@ impl PeerLink {
     /// next frame boundary. `done` runs once, when every lane has written it (or failed to).
     pub fn send_urgent(&self, kind: FrameKind, group: u64, payload: Vec<u8>, done: Option<SendDone>) {
         let header = FrameHeader { kind: kind as u8, nbytes: payload.len() as u64, group, ..Default::default() };
+        if self.is_relayed() {
+            let data = SendBuf { ptr: payload.as_ptr(), len: payload.len() };
+            let done: SendDone = Box::new(move |r| {
+                drop(payload);
+                if let Some(done) = done {
+                    done(r);
+                }
+            });
+            return self.send_in_order(SendReq { header, data, done: Some(done) }, true);
+        }
         // The payload lives until the last lane has written it; the first error is reported.
         struct Fanout {
             payload: Vec<u8>,
@@ -308,6 +433,10 @@ impl PeerLink {
 
     /// Time since anything (data or heartbeat) arrived on the most silent lane to this peer.
     pub fn silent_for(&self) -> Duration {
+        if let Some(relay) = &self.relay {
+            // It has no lanes to hear on: as silent as the link its frames come over.
+            return relay.via.get().map_or(Duration::ZERO, |v| v.1.silent_for());
+        }
         let now = self.epoch_start.elapsed();
         let last = self.lanes.read().iter().map(|l| l.last_rx.load(Ordering::Relaxed)).min().unwrap_or(0);
         now.saturating_sub(Duration::from_nanos(last))

@@ -261,8 +261,8 @@ impl ReadSide {
                 if !due {
                     return true;
                 }
-                let header = parked.header;
-                if let Err(e) = self.offer(rx, header, deadline) {
+                let (header, relay) = (parked.header, parked.relay);
+                if let Err(e) = self.offer(rx, header, relay, deadline) {
                     self.end(e);
                     return false;
                 }
@@ -321,21 +321,50 @@ impl ReadSide {
             }
             // A subgroup's Close ends that group, not the link.
             Some(FrameKind::Close) if header.group == 0 => self.closed_cleanly.store(true, Ordering::Release),
+            Some(FrameKind::Relay) => {
+                let (origin, dest, inner) = self.open_envelope(rx, &header, wait)?;
+                return self.offer(rx, inner, Some((origin, dest)), deadline);
+            }
             _ => {}
         }
-        self.offer(rx, header, deadline)
+        self.offer(rx, header, None, deadline)
+    }
+
+    /// Reads the header of the frame inside relay envelope `outer`: (sender, rank it is for, header).
+    fn open_envelope(&self, rx: &mut RxBuf, outer: &FrameHeader, wait: Wait) -> io::Result<(usize, usize, FrameHeader)> {
+        let bad = |what: String| io::Error::new(io::ErrorKind::InvalidData, what);
+        if outer.nbytes < HEADER_LEN as u64 {
+            return Err(bad(format!("it sent a relay envelope of {} bytes, shorter than the frame header inside", outer.nbytes)));
+        }
+        let mut raw = [0u8; HEADER_LEN];
+        // Read through the envelope's payload, so a sealed link's records are sized as sent.
+        let mut payload = Payload { rx, stream: &self.stream, wait, left: outer.nbytes, side: self };
+        payload.read_exact(&mut raw)?;
+        let inner = FrameHeader::decode(&raw)?;
+        if inner.kind == FrameKind::Relay as u8 || inner.nbytes != payload.left {
+            return Err(bad(format!(
+                "it sent a relay envelope of {} bytes around a frame of kind {} and {} bytes",
+                outer.nbytes, inner.kind, inner.nbytes
+            )));
+        }
+        let (origin, dest) = outer.relay_ends();
+        Ok((origin, dest, inner))
     }
 
     /// Hands the frame whose header was just read (or that was parked) to the inbox: it is read
     /// whole, or parked (see the module doc).
-    fn offer(&self, rx: &mut RxBuf, header: FrameHeader, deadline: Option<Instant>) -> io::Result<()> {
+    /// `relay`: the frame came in a relay envelope (sender, rank it is for); its header was read.
+    fn offer(&self, rx: &mut RxBuf, header: FrameHeader, relay: Option<(usize, usize)>, deadline: Option<Instant>) -> io::Result<()> {
         let wait = match deadline {
             Some(d) => Wait::Until(d),
             None => Wait::Forever,
         };
         let was_parked = rx.parked.take().is_some();
         let mut payload = Payload { rx, stream: &self.stream, wait, left: header.nbytes, side: self };
-        let delivered = self.inbox.deliver(self.peer, &header, &mut payload, Some(&self.waker));
+        let delivered = match relay {
+            None => self.inbox.deliver(self.peer, &header, &mut payload, Some(&self.waker)),
+            Some((origin, dest)) => self.inbox.deliver_relayed(self.peer, origin, dest, &header, &mut payload, Some(&self.waker)),
+        };
         // Headers and polls must see every byte again.
         set_lowat(&self.stream, payload.rx, 1);
         let left = payload.left;
@@ -344,7 +373,7 @@ impl ReadSide {
                 if left != header.nbytes {
                     return Err(io::Error::other("internal error: a frame was parked after part of it was read"));
                 }
-                rx.parked = Some(Parked { header, until });
+                rx.parked = Some(Parked { header, relay, until });
                 if !was_parked {
                     self.hold_back(true);
                 }
@@ -407,6 +436,8 @@ pub(super) struct RxBuf {
 
 struct Parked {
     header: FrameHeader,
+    /// The frame came in a relay envelope: (sender, rank it is for).
+    relay: Option<(usize, usize)>,
     /// When to offer it again even if the lane is not woken.
     until: Instant,
 }

@@ -8,9 +8,9 @@ use super::mailbox::Mailbox;
 use super::Session;
 use crate::error::PlaitError;
 use crate::net::frame::{AbortReason, FrameHeader, FrameKind, PING_TAG, PONG_TAG, REASON_MAX_BYTES};
-use crate::net::peer::{Delivery, Inbox, LaneWaker};
-use parking_lot::Mutex;
-use std::collections::HashMap;
+use crate::net::peer::{Delivery, Inbox, LaneWaker, PeerLink, SendBuf, SendDone, SendReq};
+use parking_lot::{Condvar, Mutex};
+use std::collections::{HashMap, HashSet};
 use std::io::{self, Read};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
@@ -36,6 +36,63 @@ pub(crate) struct Demux {
     closes: Mutex<HashMap<usize, usize>>,
     /// The subgroups sharing these links (the owner's demux only): frames of a group go there.
     groups: Option<Arc<Groups>>,
+    /// Frames this rank passes on for ranks that cannot reach each other (`relay`).
+    forwarding: Arc<Forwarding>,
+}
+
+/// The most bytes a relaying rank holds, per rank it passes frames on to, before it reads no more
+/// relayed frames for that rank (they wait in their senders' sockets, as a parked frame does).
+/// One frame larger than this is passed on when nothing else is held.
+const FORWARD_MAX: u64 = 64 << 20;
+
+/// Bytes passed on and not yet written, per destination, and the lanes waiting for room; the
+/// pairs this rank relays and the Close frames it passed on between them.
+#[derive(Default)]
+struct Forwarding {
+    state: Mutex<(HashMap<usize, u64>, Vec<LaneWaker>)>,
+    closes: Mutex<Closes>,
+    closed: Condvar,
+}
+
+#[derive(Default)]
+struct Closes {
+    pairs: Vec<(usize, usize)>,
+    /// (from, to): a Close passed on from `from` to `to`.
+    seen: HashSet<(usize, usize)>,
+}
+
+impl Forwarding {
+    /// Claims room for `n` bytes to `dest`, or keeps `lane` to wake once some frees.
+    fn claim(&self, dest: usize, n: u64, lane: Option<&LaneWaker>) -> bool {
+        let mut st = self.state.lock();
+        let held = st.0.get(&dest).copied().unwrap_or(0);
+        if held > 0 && held.saturating_add(n) > FORWARD_MAX {
+            if let Some(lane) = lane {
+                st.1.push(lane.clone());
+                return false;
+            }
+        }
+        *st.0.entry(dest).or_insert(0) += n;
+        true
+    }
+
+    fn passed_close(&self, from: usize, to: usize) {
+        self.closes.lock().seen.insert((from, to));
+        self.closed.notify_all();
+    }
+
+    fn release(&self, dest: usize, n: u64) {
+        let waiting = {
+            let mut st = self.state.lock();
+            if let Some(held) = st.0.get_mut(&dest) {
+                *held = held.saturating_sub(n);
+            }
+            std::mem::take(&mut st.1)
+        };
+        for lane in waiting {
+            lane.wake();
+        }
+    }
 }
 
 impl Demux {
@@ -50,6 +107,7 @@ impl Demux {
             quiet: heartbeat * 3,
             closes: Mutex::new(HashMap::new()),
             groups,
+            forwarding: Arc::default(),
         }
     }
 
@@ -150,8 +208,80 @@ impl Inbox for Demux {
         self.control(peer, h, payload).map(|_| Delivery::Taken)
     }
 
+    fn deliver_relayed(&self, via: usize, origin: usize, dest: usize, h: &FrameHeader, payload: &mut dyn Read, lane: Option<&LaneWaker>) -> io::Result<Delivery> {
+        let session = self.session.lock().upgrade();
+        let bad = |what: String| Err(io::Error::new(io::ErrorKind::InvalidData, what));
+        let Some(f) = session else {
+            return bad(format!("rank {via} relayed a frame from rank {origin} to rank {dest} before this rank's mesh was ready (or after it closed)"));
+        };
+        let link = |p: usize| f.links.get(p).and_then(|l| l.clone());
+        if dest == f.rank {
+            // Only over the link its sender relays through (or will: the choice is made as
+            // start-up ends, and the sender may finish first).
+            match link(origin) {
+                Some(l) if l.is_relayed() && l.via().is_none_or(|r| r == via) => self.deliver(origin, h, payload, lane),
+                _ => bad(format!("rank {via} relayed a frame from rank {origin}, which this rank does not reach through rank {via}")),
+            }
+        } else {
+            // The sender of an envelope is the rank it came from: a relayed frame takes one hop.
+            match link(dest) {
+                Some(out) if origin == via && !out.is_relayed() && dest != via => self.forward(&out, origin, dest, h, payload, lane),
+                _ => bad(format!("rank {via} asked this rank to pass on a frame from rank {origin} to rank {dest}, which it does not relay")),
+            }
+        }
+    }
+
     fn link_down(&self, peer: usize, error: io::Error, clean: bool) {
         self.link_ended(peer, error, clean)
+    }
+}
+
+impl Demux {
+    /// The pairs of ranks whose frames this rank passes on, for this mesh (`relay`).
+    pub(crate) fn set_relaying(&self, pairs: Vec<(usize, usize)>) {
+        *self.forwarding.closes.lock() = Closes { pairs, seen: HashSet::new() };
+    }
+
+    /// Waits until both ranks of every pair this rank relays have closed (their Close frames
+    /// passed on, behind everything they sent each other), the session fails, or `deadline`: a
+    /// relay that closes first would cut off what its pairs still send each other.
+    pub(crate) fn wait_relayed_closes(&self, deadline: Instant) {
+        let broken = || self.session.lock().upgrade().is_none_or(|f| f.broken().is_some());
+        let mut c = self.forwarding.closes.lock();
+        while c.pairs.iter().any(|&(a, b)| !(c.seen.contains(&(a, b)) && c.seen.contains(&(b, a)))) && Instant::now() < deadline && !broken() {
+            // Short waits: a failure is not announced on this condition.
+            self.forwarding.closed.wait_for(&mut c, Duration::from_millis(20));
+        }
+    }
+
+    /// Passes the frame `h` from `origin` on to `dest` over `out`, in order with the others it
+    /// passes on there; parks it while `FORWARD_MAX` bytes for `dest` wait to be written.
+    fn forward(&self, out: &PeerLink, origin: usize, dest: usize, h: &FrameHeader, payload: &mut dyn Read, lane: Option<&LaneWaker>) -> io::Result<Delivery> {
+        if h.nbytes > isize::MAX as u64 / 2 {
+            return Err(io::Error::new(io::ErrorKind::InvalidData, format!("rank {origin} sent a frame of {} bytes for rank {dest} to pass on: more than any buffer holds", h.nbytes)));
+        }
+        if !self.forwarding.claim(dest, h.nbytes, lane) {
+            return Ok(Delivery::Parked { until: Instant::now() + Duration::from_millis(100) });
+        }
+        let mut inner = Vec::with_capacity(crate::net::frame::HEADER_LEN + h.nbytes as usize);
+        inner.extend_from_slice(&h.encode());
+        let read = payload.take(h.nbytes).read_to_end(&mut inner);
+        let (forwarding, n) = (self.forwarding.clone(), h.nbytes);
+        if let Err(e) = read {
+            forwarding.release(dest, n);
+            return Err(e);
+        }
+        let data = SendBuf { ptr: inner.as_ptr(), len: inner.len() };
+        let done: SendDone = Box::new(move |_| {
+            // A failed write fails the link to `dest`, and that link's end says so.
+            drop(inner);
+            forwarding.release(dest, n);
+        });
+        out.send_in_order(SendReq { header: FrameHeader::relay(origin, dest, n), data, done: Some(done) }, false);
+        if h.kind == FrameKind::Close as u8 && h.group == 0 {
+            self.forwarding.passed_close(origin, dest);
+        }
+        Ok(Delivery::Taken)
     }
 }
 

@@ -113,7 +113,8 @@ impl Session {
     /// `prev`'s links keep their ranks, and its mailbox, readers and subgroups carry on; the new
     /// ranks' links are attached with `attach_link`. `prev` must never be used again.
     pub fn grown(prev: &Session, size: usize) -> Session {
-        let mut links = prev.links.clone();
+        // Relayed links are chosen afresh: their relay may be gone, or a connection possible now.
+        let mut links: Vec<_> = prev.links.iter().map(|l| l.clone().filter(|l| !l.is_relayed())).collect();
         links.resize(size, None);
         let mut s = Session::with(prev.rank, size, 0, links, prev.reading.clone(), prev.groups.clone(), prev.mailbox.clone());
         s.busy_poll = prev.busy_poll;
@@ -160,6 +161,18 @@ impl Session {
             link.set_caller_mode(true);
         }
         link.join_caller_poll(&self.reading.callers)
+    }
+
+    /// Takes a link to `peer` that goes through another rank (`PeerLink::relayed`): it has no
+    /// lanes to read; its frames arrive on the relay's link.
+    pub fn attach_relayed(&mut self, peer: usize, link: Arc<PeerLink>) {
+        debug_assert!(link.is_relayed());
+        self.links[peer] = Some(link);
+    }
+
+    /// The peers this rank reaches over connections of its own.
+    pub fn direct_peers(&self) -> Vec<usize> {
+        (0..self.size).filter(|&p| self.links[p].as_ref().is_some_and(|l| !l.is_relayed())).collect()
     }
 
     /// Adds lanes to the running link to `peer`, read as its other lanes are.
