@@ -36,6 +36,7 @@ class RouteInfo(TypedDict):
     streams: int
     max_streams: int  # the most connections start-up could open to this peer (PLAIT_STREAMS_MAX)
     rx_bytes_per_s: Optional[float]  # bytes/s from the peer to this rank, measured at start-up (PLAIT_MEASURE)
+    via: Optional[int]  # the rank this link's frames go through, for a peer this rank cannot connect to (PLAIT_RELAY)
 
 class InterfaceInfo(TypedDict):
     name: str

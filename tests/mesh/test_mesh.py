@@ -192,14 +192,42 @@ def test_doctor_on_mesh_warns_and_exits_nonzero_for_unreachable_peer():
         assert fb["ranks"] == [1, 2], fb
         assert rep["bandwidth_alone_gbps"][0][1] and rep["rtt_us"][0][2]
         assert "slow_link" in codes, rep["warnings"]  # the pair on the LAN (100mbit) vs the 1gbit cables
-        # Cables only, one of them down: rank 1 and rank 2 cannot reach each other.
+        # Cables only, one of them down: rank 1 and rank 2 cannot reach each other, and rank 0,
+        # which reaches both, relays their frames; the doctor says so.
         res = tb.run(cmd, timeout=60, stream=False, env={"PLAIT_IFACE": "mesh"})
+        assert res.returncodes[0] == 0, res.output(0)[-3000:]
+        rep = json.loads("\n".join(x for x in res.lines[0] if not x.startswith("[W")))
+        relayed = [w for w in rep["warnings"] if w["code"] == "relayed_pair"]
+        assert len(relayed) == 1 and relayed[0]["ranks"] == [0, 1, 2], rep["warnings"]
+        assert "ranks 1 and 2 cannot connect to each other" in relayed[0]["message"], relayed
+        assert "through rank 0" in relayed[0]["message"], relayed
+        # Without relays, start-up fails naming the pair.
+        res = tb.run(cmd, timeout=60, stream=False, env={"PLAIT_IFACE": "mesh", "PLAIT_RELAY": "0"})
         assert res.returncodes[0] == 1, res.output(0)[-3000:]
         rep = json.loads("\n".join(x for x in res.lines[0] if not x.startswith("[W")))
         errs = [w for w in rep["warnings"] if w["level"] == "error"]
         culprit = [w for w in errs if w["code"] == "unreachable_peer"]
         assert culprit and culprit[0]["ranks"] == [1, 2], errs
         assert re.search(r"rank 2 cannot reach rank 1|rank 1 cannot reach rank 2", culprit[0]["message"]), culprit
+
+
+def test_a_pair_without_a_cable_goes_through_the_rank_between_them():
+    """A line of three nodes (cables 0-1 and 1-2, the LAN excluded): ranks 0 and 2 have no route
+    to each other, so rank 1 passes their frames on; every collective (send/recv around the ring
+    too) is right, and both ends name the relay."""
+    t0 = time.monotonic()
+    with bed(3, links=[(0, 1), (1, 2)]) as tb:
+        res = run(tb, "collectives", env={"PLAIT_IFACE": "mesh"})
+        assert_ok(res)
+        for r in range(3):
+            assert one(res, r, "result")["nfails"] == 0, one(res, r, "result")["fails"]
+            assert one(res, r, "comm")["topology"] == "partial_mesh"
+        for i, j in ((0, 2), (2, 0)):
+            rt = routes_of(res, i)[j]
+            assert rt["via"] == 1, rt
+            assert "relayed through rank 1" in rt["reason"] and "could not connect to rank 0" in rt["reason"], rt
+        assert routes_of(res, 0)[1]["via"] is None and routes_of(res, 1)[2]["local_iface"] == cable_iface(1, 2)
+    note(f"mesh: every collective on a 3-node line, 0-2 relayed through 1: ok in {time.monotonic() - t0:.1f} s")
 
 
 def test_testbed_cli_up_run_down():

@@ -631,6 +631,7 @@ impl PyComm {
                 d.set_item("streams", r.streams)?;
                 d.set_item("max_streams", r.max_streams)?;
                 d.set_item("rx_bytes_per_s", r.rx_bytes_per_s)?;
+                d.set_item("via", r.via)?;
                 Ok(d)
             })
             .collect()

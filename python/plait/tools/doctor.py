@@ -576,10 +576,21 @@ def build_report(n, infos, measures, missing, *, master_addr=None, master_port=N
                          "remote_iface": (ra or {}).get("name"), "reason": why,
                          "subnet": str(net) if net else None, "ranks_on_subnet": shared_by,
                          "local_mtu": (la or {}).get("mtu"), "remote_mtu": (ra or {}).get("mtu"),
-                         "startup_rtt_us": rt.get("rtt_us")})
+                         "startup_rtt_us": rt.get("rtt_us"), "via": rt.get("via")})
     # Warnings about routes, once per pair.
     for row in rows:
         i, j = row["from"], row["to"]
+        if row["via"] is not None:
+            if i < j:
+                warn("warning", "relayed_pair",
+                     f"ranks {i} and {j} cannot connect to each other, so their frames go through rank {row['via']}, "
+                     f"which reaches both: every byte between them crosses two links and passes through rank "
+                     f"{row['via']}'s memory ({row['reason']})",
+                     f"give the two a route of their own (a cable with its own subnet, or a firewall or NAT that lets "
+                     f"rank {j} connect to rank {i}'s port: `{_cmd(infos[j], 'route', addr=f'<rank {i} address>')}` "
+                     f"on rank {j}'s machine); until then plait relays (PLAIT_RELAY=0 makes start-up fail instead)",
+                     [i, j, row["via"]])
+            continue
         if row["local_mtu"] and row["remote_mtu"] and row["local_mtu"] != row["remote_mtu"] and i < j:
             lo = min(row["local_mtu"], row["remote_mtu"])
             warn("warning", "mtu_mismatch",
@@ -729,8 +740,8 @@ def print_report(rep, console=None):
             sub = row["subnet"] or "-"
             if row["ranks_on_subnet"] and row["ranks_on_subnet"] > 2:
                 sub += f" [dim](shared by {row['ranks_on_subnet']})"
-            t.add_row(str(row["from"]), str(row["to"]), row["local_iface"] or "?", f"{row['local']} -> {row['remote']}",
-                      sub, mtu, row["reason"])
+            ends = f"{row['local']} -> {row['remote']}" if row["via"] is None else f"through rank {row['via']}"
+            t.add_row(str(row["from"]), str(row["to"]), row["local_iface"] or "?", ends, sub, mtu, row["reason"])
         console.print(t)
 
     def matrix(title, m, fmt):

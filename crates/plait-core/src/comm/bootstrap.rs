@@ -72,8 +72,13 @@ struct Unreachable {
 }
 
 /// How long a connection may take before the pair is relayed instead (`PLAIT_RELAY`): a firewall
-/// that drops what it refuses leaves nothing to wait for but the deadline.
+/// that drops what it refuses leaves nothing to wait for but the deadline. At most a quarter of
+/// start-up's time, so the relay still has time to be set up.
 const DIAL_BUDGET: Duration = Duration::from_secs(10);
+
+fn dial_budget(cfg: &CommConfig) -> Duration {
+    DIAL_BUDGET.min(cfg.startup_timeout.unwrap_or(cfg.timeout).min(cfg.timeout) / 4)
+}
 
 /// What a mesh grown from the last epoch's takes over (elastic mode: members added at the end,
 /// the others' ranks unchanged, no operation under way): its session's links, mailbox and
@@ -476,8 +481,8 @@ fn connect_mesh(
             }
             continue;
         }
-        let dial_by = if plan.cfg.relay { plan.deadline.min(Instant::now() + DIAL_BUDGET) } else { plan.deadline };
-        let (stream, route) = match routing.candidates(peer).and_then(|c| connect_first(&c, info, &first, &plan.auth, dial_by)) {
+        let per_route = if plan.cfg.relay { dial_budget(plan.cfg) } else { Duration::MAX };
+        let (stream, route) = match routing.candidates(peer).and_then(|c| connect_first(&c, info, &first, &plan.auth, plan.deadline, per_route)) {
             Ok(connected) => connected,
             // Not the network: start-up was called off, or the settings are wrong.
             Err(e @ (PlaitError::Aborted { .. } | PlaitError::Config(_) | PlaitError::InvalidArgument(_))) => return Err(e),
@@ -518,7 +523,10 @@ fn connect_mesh(
         // connects do not wait for anyone's accepts), so this waits for a connection that comes.
         if let Some(u) = reach_of(plan, peer)?.into_iter().find(|u| u.a == rank) {
             if !plan.cfg.relay {
-                return Err(PlaitError::Rendezvous(format!("rank {peer} ({}) could not connect to this rank ({rank}): {} (PLAIT_RELAY=0)", info.host, u.why)));
+                return Err(PlaitError::Rendezvous(format!(
+                    "rank {peer} ({}) failed: could not connect to rank {rank}, this rank (PLAIT_RELAY=0): {}",
+                    info.host, u.why
+                )));
             }
             continue;
         }
@@ -601,13 +609,15 @@ fn set_relays(session: &Session, demux: &Demux, unreachable: &[Unreachable], all
     Ok(())
 }
 
-/// Tries the candidate routes in order; each but the last gets a bounded share of the time.
+/// Tries the candidate routes in order, each for at most `per_route`; each but the last for at
+/// most 5 s.
 fn connect_first(
     candidates: &[Route],
     info: &PeerInfo,
     hello: &Hello,
     auth: &LinkAuth,
     deadline: Instant,
+    per_route: Duration,
 ) -> Result<(LinkStream, Route)> {
     if candidates.is_empty() {
         return Err(PlaitError::Rendezvous(format!(
@@ -620,7 +630,8 @@ fn connect_first(
     let mut errors = Vec::new();
     for (i, route) in candidates.iter().enumerate() {
         let last = i + 1 == candidates.len();
-        let d = if last { deadline } else { deadline.min(Instant::now() + Duration::from_secs(5)) };
+        let limit = if last { per_route } else { per_route.min(Duration::from_secs(5)) };
+        let d = Instant::now().checked_add(limit).map_or(deadline, |t| t.min(deadline));
         match connect(route, info.port, hello, auth, d) {
             Ok(s) => {
                 let mut route = route.clone();

@@ -1,7 +1,7 @@
 """One rank of a testbed allreduce measurement (used by plait.tools.testbed.bench and the demo's mesh act).
 
     python -m plait.tools.testbed._worker --lib plait|gloo --bytes N --iters K [--warmup W] [--timeout T]
-    python -m plait.tools.testbed._worker --lib plait --op p2p --bytes N ...   # rank 0 -> rank 1
+    python -m plait.tools.testbed._worker --lib plait --op p2p --bytes N ...   # rank 0 -> rank 1 (--to R)
 
 Reads RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; allreduces a float32 buffer of N bytes K times
 (after W warm-up rounds), checks the result exactly, and prints one JSON line:
@@ -57,10 +57,10 @@ def _plait(args, rank, n):
 
 
 def _plait_p2p(args, rank, n):
-    """Rank 0 sends `--bytes` to rank 1 (`--op p2p`: one message; `--op broadcast`: a broadcast
+    """Rank 0 sends `--bytes` to rank `--to` (`--op p2p`: one message; `--op broadcast`: a broadcast
     from rank 0, which goes in pipeline segments, spread over every connection of a link),
     `--iters` times after `--warmup`; each time is the receiver's, from a barrier to the last byte
-    (rank 1's times are the ones that count)."""
+    (the receiver's times are the ones that count; with `--op broadcast`, rank `--to`'s)."""
     import plait
     from plait.tools.doctor import DoctorStore
 
@@ -77,16 +77,16 @@ def _plait_p2p(args, rank, n):
             if args.op == "broadcast":
                 comm.broadcast(buf, root=0)
             elif rank == 0:
-                comm.send(buf, 1)
-            elif rank == 1:
+                comm.send(buf, args.to)
+            elif rank == args.to:
                 comm.recv(buf, 0)
-            if rank != 0:
+            if rank == args.to or (rank != 0 and args.op == "broadcast"):
                 ok = ok and bool(buf[0] == 7 and buf[-1] == 7 and buf[len(buf) // 2] == 7)
             if i >= args.warmup:
                 times.append(time.perf_counter() - t0)
         comm.barrier()
         return {"times": times, "ok": ok, "algo": "send/recv" if args.op == "p2p" else "broadcast", "routes": _routes(comm), "topology": None,
-                "links": comm.link_matrix(), "streams": comm.routes()[0]["streams"] if comm.routes() else None}
+                "links": comm.link_matrix(), "streams": next((r["streams"] for r in comm.routes() if r["peer"] == args.to), None)}
     finally:
         comm.close()
         if rank == 0:
@@ -132,6 +132,7 @@ def main(argv=None):
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--timeout", type=float, default=120.0)
+    p.add_argument("--to", type=int, default=1, help="--op p2p: the receiving rank")
     p.add_argument("--op", choices=("allreduce", "p2p", "broadcast"), default="allreduce",
                    help="p2p: rank 0 sends --bytes to rank 1; broadcast: rank 0 broadcasts them (both plait only)")
     args = p.parse_args(argv)

@@ -4,6 +4,7 @@ manual workaround. Everything is measured in the same run, on the same testbed.
 
     sudo python -m plait.tools.testbed.bench                       # N = 3 and 4, 64 MiB, 1gbit cables, 100mbit LAN
     sudo python -m plait.tools.testbed.bench --nodes 3 --mib 16 --json bench.json
+    sudo python -m plait.tools.testbed.bench --line                # 3 nodes in a line: the ends relayed
 
 The gloo workaround (what a careful user would set up by hand): every node gets a /32 "node"
 address on its loopback (10.200.0.<i+1>), a static host route to every other node's address over
@@ -30,13 +31,13 @@ from . import Testbed, TestbedError, check_can_build, format_rate, node_addr, pa
 _NOISE = ("hostname of the client socket cannot be retrieved",)
 
 
-def measure(tb, lib, *, nbytes, iters, warmup, timeout, env=None, console=None, op="allreduce"):
+def measure(tb, lib, *, nbytes, iters, warmup, timeout, env=None, console=None, op="allreduce", to=1):
     """Runs the allreduce worker on every node; returns {"t", "ok", "err", "algo", "topology",
     "routes", "times", "ring_order", "links", "predicted_s", "schedule"} with t = the slowest rank's
     median time in seconds (the rest as rank 0 of plait saw them: the cost model's prediction for
     the schedule it ran)."""
     cmd = [sys.executable, "-m", "plait.tools.testbed._worker", "--lib", lib, "--bytes", str(nbytes), "--iters",
-           str(iters), "--warmup", str(warmup), "--timeout", str(timeout), "--op", op]
+           str(iters), "--warmup", str(warmup), "--timeout", str(timeout), "--op", op, "--to", str(to)]
     res = tb.run(cmd, timeout=timeout + 30, env=env, stream=False, grace=5.0)
     per_rank, errs = [], []
     for r in range(tb.n):
@@ -95,6 +96,49 @@ def bench_world(n, *, link_rate, lan_rate, nbytes, iters, timeout, gloo_default=
     return out
 
 
+LINE_RUNS = (("p2p", 1, {"PLAIT_IFACE": "mesh"}, "plait send/recv 0 -> 1, its cable"),
+             ("p2p", 2, {"PLAIT_IFACE": "mesh"}, "plait send/recv 0 -> 2, relayed through 1 (cables only)"),
+             ("p2p", 2, {}, "plait send/recv 0 -> 2 over the LAN (the default: 0 and 2 share the LAN)"),
+             ("allreduce", 1, {"PLAIT_IFACE": "mesh"}, "plait allreduce, cables only (0-2 relayed)"),
+             ("allreduce", 1, {}, "plait allreduce, default (0-2 over the LAN)"))
+
+
+def bench_line(*, link_rate, lan_rate, nbytes, iters, timeout, gloo=True, name="plaitbench", log=print):
+    """Three nodes in a line (cables 0-1 and 1-2, a LAN for all): ranks 0 and 2 share no cable, so
+    either they talk over the LAN or, with the LAN excluded (PLAIT_IFACE=mesh), rank 1 relays."""
+    out = {"nodes": 3, "bytes": nbytes, "link_rate_bps": parse_rate(link_rate), "lan_rate_bps": parse_rate(lan_rate),
+           "runs": []}
+    with Testbed(3, link_rate=link_rate, lan_rate=lan_rate, links=[(0, 1), (1, 2)], name=name) as tb:
+        for op, to, env, config in LINE_RUNS:
+            log(f"{config} ({iters} x {nbytes / 2**20:g} MiB) ...")
+            r = measure(tb, "plait", nbytes=nbytes, iters=iters, warmup=1, timeout=timeout, env=env, op=op, to=to)
+            out["runs"].append(dict(r, config=config, op=op))
+        if gloo:
+            log(f"gloo allreduce, default (over the LAN) (1 x {nbytes / 2**20:g} MiB) ...")
+            r = measure(tb, "gloo", nbytes=nbytes, iters=1, warmup=0, timeout=timeout)
+            out["runs"].append(dict(r, config="gloo allreduce, default (over the LAN)", op="allreduce"))
+    return out
+
+
+def report_line(res, console):
+    nbytes, cable = res["bytes"], res["link_rate_bps"]
+    t = Table(title=f"{nbytes / 2**20:g} MiB on 3 nodes in a line ({format_rate(cable)} cables 0-1 and 1-2, "
+                    f"{format_rate(res['lan_rate_bps'])} LAN), slowest rank's median")
+    for c in ("configuration", "time", "Mbit/s", "of the cable rate"):
+        t.add_column(c, justify="left" if c == "configuration" else "right")
+    for r in res["runs"]:
+        if not r["ok"] or not r["t"]:
+            t.add_row(r["config"], "[red]FAILED", "", "")
+            continue
+        # send/recv: bytes moved per second; allreduce: bus bandwidth, 2 (N - 1) / N of the bytes.
+        bps = nbytes * 8 / r["t"] * (1 if r["op"] == "p2p" else 4 / 3)
+        t.add_row(r["config"], f"{r['t'] * 1e3:.0f} ms", f"{bps / 1e6:.0f}", f"{bps / cable:.2f}" if cable else "")
+    console.print(t)
+    for r in res["runs"]:
+        if r["err"]:
+            console.print(f"[red]{r['config']}: {r['err']}", highlight=False)
+
+
 def report(results, console):
     t = Table(title="allreduce, float32, on the mesh testbed (slowest rank's median)")
     for c in ("N", "size", "configuration", "time", "busbw Gbit/s", "x bound 2S/(NB)", "plait faster by"):
@@ -139,6 +183,9 @@ def main(argv=None):
     p.add_argument("--no-gloo", action="store_true", help="plait only")
     add_json_option(p)
     p.add_argument("--name", default="plaitbench")
+    p.add_argument("--line", action="store_true",
+                   help="instead: 3 nodes in a line (no cable between 0 and 2): send/recv and allreduce with rank 1 "
+                        "relaying the ends' frames, against the LAN and gloo")
     args = p.parse_args(argv)
     console = Console(width=max(130, Console().width), stderr=to_stdout(args.json))
     why = check_can_build()
@@ -154,6 +201,19 @@ def main(argv=None):
     nbytes = int(args.mib * 2**20) // 4 * 4
     results = []
     t0 = time.monotonic()
+    if args.line:
+        try:
+            res = bench_line(link_rate=args.link_rate, lan_rate=args.lan_rate, nbytes=nbytes, iters=args.iters,
+                             timeout=args.timeout, gloo=not args.no_gloo, name=args.name,
+                             log=lambda m: console.print(f"[dim]{m}", highlight=False))
+        except TestbedError as e:
+            console.print(f"[red]{e}")
+            return 2
+        if not to_stdout(args.json):
+            report_line(res, console)
+        if args.json:
+            write_json(args.json, {"command": sys.argv, "result": res})
+        return 0 if all(r["ok"] for r in res["runs"]) else 1
     try:
         for n in args.nodes:
             results.append(bench_world(n, link_rate=args.link_rate, lan_rate=args.lan_rate, nbytes=nbytes,
