@@ -60,6 +60,23 @@ def test_doctor_json_to_stdout_or_a_file_and_no_direct_link_warning_on_one_host(
     assert json.loads(path.read_text())["world_size"] == 2
 
 
+def test_doctor_measure_shows_the_matrix_start_up_measured():
+    """`plait doctor --measure`: the core measures every link at start-up though the ranks share a
+    host, and the report holds that matrix (the same the cost model and ring order use), in JSON
+    and as a table; without it, ranks on one host are not measured and there is none."""
+    proc = _plait(["doctor", "--local", "3", "--no-bandwidth", "--measure", "--json", "-"])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    links = json.loads(proc.stdout)["start_up_links"]
+    for i in range(3):
+        for j in range(3):
+            if i != j:
+                assert links["bytes_per_s"][i][j] > 1e6 and links["latency_s"][i][j] > 0, links
+    proc = _plait(["doctor", "--local", "2", "--no-bandwidth", "--measure"])
+    assert proc.returncode == 0 and "Links as start-up measured them" in proc.stdout, proc.stdout[-3000:]
+    proc = _plait(["doctor", "--local", "2", "--no-bandwidth", "--json", "-"])
+    assert json.loads(proc.stdout)["start_up_links"] is None
+
+
 def test_topology_measures_links_predicts_and_benches_every_allreduce_algorithm(tmp_path):
     """`plait topology --local 3 --bench`: every rank measures its links (PLAIT_MEASURE=1 here,
     though they share a host), and rank 0 reports the matrix, the ring order and, for each size

@@ -343,10 +343,13 @@ def open_rank_store(rank, n, master_addr, master_port, timeout):
 
 
 def run_rank(rank, n, master_addr, master_port, *, timeout=30.0, budget=0.25, bandwidth=True, json_path=None,
-             console=None):
+             console=None, measure=False):
     """One rank of the doctor. Rank 0 prints the report (and writes it to `json_path`: "-" is
-    stdout, instead of the tables). Returns the exit status."""
+    stdout, instead of the tables). `measure`: the core measures every link at start-up
+    (PLAIT_MEASURE=1) even where it would not on its own. Returns the exit status."""
     t_start = time.monotonic()
+    if measure:
+        os.environ["PLAIT_MEASURE"] = "1"  # read when the communicator starts, below
     try:
         raw = open_rank_store(rank, n, master_addr, master_port, timeout)
     except Exception as e:
@@ -375,6 +378,7 @@ def run_rank(rank, n, master_addr, master_port, *, timeout=30.0, budget=0.25, ba
             top = getattr(comm, "topology", None) or getattr(comm._comm, "topology", None)
             meas["topology"] = top() if callable(top) else None
             meas["ring_order"] = comm.ring_order()  # from the links the core measured (PLAIT_MEASURE)
+            meas["links"] = comm.link_matrix()
             # Measure only if every rank connected; otherwise the peers would wait for nothing.
             everyone = True
             for r in range(n):
@@ -540,6 +544,8 @@ def build_report(n, infos, measures, missing, *, master_addr=None, master_port=N
     tops = {m.get("topology") for m in measures if m and m.get("topology")}
     topology = tops.pop() if len(tops) == 1 else (None if not tops else "disagree: " + ", ".join(sorted(tops)))
     ring_order = next((m["ring_order"] for m in measures if m and m.get("ring_order")), None)
+    # Every rank holds the same matrix (each publishes what it measured): any rank's will do.
+    start_up_links = next((m["links"] for m in measures if m and m.get("links")), None)
 
     # Subnets each rank has, to find direct links ("dedicated": only two ranks on that subnet).
     nets = [{} for _ in range(n)]
@@ -689,7 +695,7 @@ def build_report(n, infos, measures, missing, *, master_addr=None, master_port=N
     errors = [w for w in warnings if w["level"] == "error"]
     return {
         "world_size": n, "master": f"{master_addr}:{master_port}", "topology": topology, "multi_host": multi_host,
-        "ring_order": ring_order,
+        "ring_order": ring_order, "start_up_links": start_up_links,
         "hosts": [(i or {}).get("host") for i in infos], "ranks": infos, "routes": rows,
         "rtt_us": rtt, "bandwidth_alone_gbps": [[_gbps(v) for v in row] for row in bw_alone],
         "bandwidth_all_at_once_gbps": [[_gbps(v) for v in row] for row in bw_all],
@@ -742,6 +748,18 @@ def print_report(rep, console=None):
                 sub += f" [dim](shared by {row['ranks_on_subnet']})"
             ends = f"{row['local']} -> {row['remote']}" if row["via"] is None else f"through rank {row['via']}"
             t.add_row(str(row["from"]), str(row["to"]), row["local_iface"] or "?", ends, sub, mtu, row["reason"])
+        console.print(t)
+
+    links = rep.get("start_up_links")
+    if links:
+        t = Table(title="Links as start-up measured them (what the cost model and the ring order use): Mbit/s "
+                        "(one-way latency ms), from row to column", title_justify="left")
+        t.add_column("from \\ to", justify="right")
+        for j in range(n):
+            t.add_column(str(j), justify="right")
+        for i in range(n):
+            t.add_row(str(i), *("" if i == j else f"{(links['bytes_per_s'][i][j] or 0) * 8e-6:.0f} "
+                                f"({(links['latency_s'][i][j] or 0) * 1e3:.2f})" for j in range(n)))
         console.print(t)
 
     def matrix(title, m, fmt):
@@ -864,6 +882,9 @@ def add_arguments(p):
                    "step (default 30)")
     p.add_argument("--budget", type=float, default=0.25, help="seconds per bandwidth measurement (default 0.25)")
     p.add_argument("--no-bandwidth", action="store_true", help="skip the bandwidth matrices")
+    p.add_argument("--measure", action="store_true", help="have plait's start-up measure every link "
+                   "(PLAIT_MEASURE=1, even for ranks on one host) and show that matrix: what the cost model and the "
+                   "ring order use (shown anyway where start-up measures on its own: every rank on its own host)")
 
 
 def main(args):
@@ -872,11 +893,11 @@ def main(args):
             print("plait doctor: --local needs at least 2 ranks", file=sys.stderr)
             return 2
         rest = (["--json", args.json] if args.json else []) + ["--timeout", str(args.timeout), "--budget", str(args.budget)] \
-            + (["--no-bandwidth"] if args.no_bandwidth else [])
+            + (["--no-bandwidth"] if args.no_bandwidth else []) + (["--measure"] if args.measure else [])
         return run_local(args.local, rest, args.timeout * 3 + 30)
     return run_as_job_rank("doctor", lambda rank, n, master_addr, port: run_rank(
         rank, n, master_addr, port, timeout=args.timeout, budget=args.budget, bandwidth=not args.no_bandwidth,
-        json_path=args.json))
+        json_path=args.json, measure=args.measure))
 
 
 if __name__ == "__main__":
