@@ -118,8 +118,8 @@ fn send_train(session: &Arc<Session>, to: usize, time: Duration, deadline: Insta
     }
 }
 
-/// Posts receives for `from`'s train, says go, and times each frame's arrival until the marked
-/// one; the rate over the second half of the train.
+/// Posts receives for `from`'s train, says go, and notes when each frame landed until the marked
+/// one; the rate over the second half of the train (by landing time).
 fn receive_train(session: &Arc<Session>, from: usize, deadline: Instant, tag: u64) -> Result<Option<f64>> {
     let mut slots = vec![vec![0u8; FRAME]; ahead(session, from)];
     let mut posted = std::collections::VecDeque::new();
@@ -131,14 +131,16 @@ fn receive_train(session: &Arc<Session>, from: usize, deadline: Instant, tag: u6
     let mut arrivals = Vec::new();
     loop {
         let (i, p) = posted.pop_front().expect("a receive is always posted");
-        p2p::finish_p2p(session, p, left(deadline))?;
-        arrivals.push(Instant::now());
+        // When it landed, not when this thread got to it: over several connections frames land
+        // out of order, and one that lags would bunch up the times of those that passed it.
+        arrivals.push(p2p::finish_p2p_landed(session, p, left(deadline))?.1);
         if slots[i][0] == 1 {
             break; // the receives still posted are withdrawn as `posted` drops
         }
         posted.push_back((i, p2p::start_recv(session, Some(from), tag, DType::U8, RawBuf::of(&mut slots[i]), "bandwidth probe".into())?));
     }
     drop(posted);
+    arrivals.sort_unstable();
     Ok(rate_of(&arrivals, FRAME))
 }
 

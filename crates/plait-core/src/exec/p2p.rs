@@ -160,7 +160,13 @@ pub(crate) fn start_recv(session: &Arc<Session>, src: Option<usize>, tag: u64, d
 
 /// Waits for a started transfer; returns the peer it was with. On failure a receive's buffer
 /// holds what it held before.
-pub(crate) fn finish_p2p(session: &Session, mut p: P2pStarted, timeout: Duration) -> Result<usize> {
+pub(crate) fn finish_p2p(session: &Session, p: P2pStarted, timeout: Duration) -> Result<usize> {
+    finish_p2p_landed(session, p, timeout).map(|(peer, _)| peer)
+}
+
+/// `finish_p2p`, and when the transfer completed (a receive: when its last piece had landed), which
+/// may be well before this returns when the caller waited for another transfer meanwhile.
+pub(crate) fn finish_p2p_landed(session: &Session, mut p: P2pStarted, timeout: Duration) -> Result<(usize, Instant)> {
     let doing = match p.transfers.memory {
         P2pMemory::Send => "take this message",
         P2pMemory::Recv { .. } => "send",
@@ -168,11 +174,13 @@ pub(crate) fn finish_p2p(session: &Session, mut p: P2pStarted, timeout: Duration
     crate::failpoint::hit("p2p.wait");
     let mut result = Ok(p.peer);
     let mut left = p.events;
+    let mut landed: Option<Instant> = None;
     while left > 0 {
         let waited_for = if p.peer == usize::MAX { 0 } else { p.peer };
         match wait_one(session, &p.transfers, p.start, timeout, &p.what, waited_for, doing) {
-            Ok((source, ordinal)) => {
+            Ok((source, ordinal, at)) => {
                 (p.peer, left) = (source, left - 1);
+                landed = landed.max(Some(at));
                 if let (Some(rest), P2pMemory::Recv { keeps, .. }) = (p.rest.take(), &p.transfers.memory) {
                     // The first piece named the sender and its ordinal: the other pieces follow.
                     left += rest.pieces.len() - 1;
@@ -187,7 +195,7 @@ pub(crate) fn finish_p2p(session: &Session, mut p: P2pStarted, timeout: Duration
         }
     }
     match result {
-        Ok(source) => Ok(source),
+        Ok(source) => Ok((source, landed.unwrap_or_else(Instant::now))),
         Err(err) => {
             let first = session.fail(err, true);
             // The link thread of a transfer under way reports once the shut socket fails it;
@@ -213,11 +221,11 @@ pub(crate) fn recv_p2p(session: &Arc<Session>, src: Option<usize>, tag: u64, dty
 
 /// Waits for one event of a point-to-point transfer: its source, and the token the mailbox set
 /// (an any-source receive's: the ordinal of the message it took).
-fn wait_one(session: &Session, transfers: &Transfers<P2pMemory>, start: Instant, timeout: Duration, what: &str, peer: usize, doing: &str) -> Result<(usize, u32)> {
+fn wait_one(session: &Session, transfers: &Transfers<P2pMemory>, start: Instant, timeout: Duration, what: &str, peer: usize, doing: &str) -> Result<(usize, u32, Instant)> {
     let deadline = start + timeout;
     loop {
         match transfers.next_event(deadline.min(Instant::now() + Duration::from_millis(100)), deadline) {
-            Ok(ev) => return ev.result.map(|_| (ev.source, ev.token)),
+            Ok(ev) => return ev.result.map(|_| (ev.source, ev.token, ev.at)),
             Err(_) => {
                 if let Some(err) = session.broken() {
                     return Err(err);

@@ -80,7 +80,7 @@ impl Posted {
     /// Completes this receive: the one event its operation waits for.
     pub fn report(mut self, result: Result<(), PlaitError>, source: usize) {
         self.reported = true;
-        let _ = self.events.send(Event { token: self.token, result, source });
+        let _ = self.events.send(Event { token: self.token, result, source, at: Instant::now() });
     }
 
     /// Forgets this receive without an event: its operation withdrew it and counts that itself.
@@ -96,7 +96,7 @@ impl Drop for Posted {
     fn drop(&mut self) {
         if !self.reported {
             let err = PlaitError::Internal(format!("{}: a receive ended without completing (a panic while its message was landed)", self.expect.what));
-            let _ = self.events.send(Event { token: self.token, result: Err(err), source: usize::MAX });
+            let _ = self.events.send(Event { token: self.token, result: Err(err), source: usize::MAX, at: Instant::now() });
         }
     }
 }

@@ -43,6 +43,8 @@ pub(crate) struct Event {
     pub result: Result<()>,
     /// The peer the transfer was with.
     pub source: usize,
+    /// When it completed (a receive: when its message had landed).
+    pub at: Instant,
 }
 
 pub(crate) struct Session {
@@ -205,7 +207,7 @@ impl Session {
                     what: format!("could not be sent to: {e}"),
                     waited: Duration::ZERO,
                 });
-                let _ = events.send(Event { token, result, source: peer });
+                let _ = events.send(Event { token, result, source: peer, at: Instant::now() });
             })),
         });
     }

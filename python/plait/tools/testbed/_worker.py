@@ -86,7 +86,7 @@ def _plait_p2p(args, rank, n):
                 times.append(time.perf_counter() - t0)
         comm.barrier()
         return {"times": times, "ok": ok, "algo": "send/recv" if args.op == "p2p" else "broadcast", "routes": _routes(comm), "topology": None,
-                "links": comm.link_matrix(), "streams": next((r["streams"] for r in comm.routes() if r["peer"] == args.to), None)}
+                "links": comm.link_matrix(), "streams": next((r["streams"] for r in comm.routes() if r["peer"] == (args.to if rank == 0 else 0)), None)}
     finally:
         comm.close()
         if rank == 0:
