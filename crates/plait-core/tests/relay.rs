@@ -206,3 +206,62 @@ fn a_pair_nobody_can_relay_fails_start_up_on_every_rank() {
     }
 }
 
+
+/// A relay that has nothing to do of its own (it is computing, or sleeping here) after a small
+/// blocking call, which hands reading to waiting callers, still passes frames on as they come:
+/// 30 round trips between the ends take far less than the 30 heartbeat periods (1 s each) a relay
+/// that read only on its heartbeats would hold them.
+#[test]
+fn an_idle_relay_passes_frames_on_at_once() {
+    let routes = route_file("idle", 3, &[(0, 2)]);
+    let out = world(3, routes.clone(), |cfg| cfg.timeout = Duration::from_secs(60), |comm| {
+        let comm = comm.unwrap();
+        let mut x = vec![1f32; 4];
+        let mut y = vec![0f32; 4];
+        collective(&comm, Collective::AllReduce, &mut x, &mut y, "ring").unwrap();
+        let t0 = Instant::now();
+        match comm.rank() {
+            1 => std::thread::sleep(Duration::from_secs(8)),
+            r => {
+                for i in 0..30 {
+                    let (from, to) = if i % 2 == 0 { (0, 2) } else { (2, 0) };
+                    assert!(message(&comm, from, to, 16, 9, false).unwrap(), "rank {r}: round {i}");
+                }
+            }
+        }
+        t0.elapsed()
+    });
+    let _ = std::fs::remove_file(routes);
+    for r in [0, 2] {
+        assert!(out[r] < Duration::from_secs(5), "rank {r}: 30 relayed messages took {:?}", out[r]);
+    }
+}
+
+/// A relay that closes before the pair it relays (its own close waited its timeout for them)
+/// cuts them off: a receive waiting across it fails at once, naming the relay, not at its own
+/// deadline blaming the other end.
+#[test]
+fn a_relay_closing_first_fails_what_waits_across_it_naming_it() {
+    let routes = route_file("leaves", 3, &[(0, 2)]);
+    let out = world(3, routes.clone(), |cfg| cfg.timeout = Duration::from_secs(if cfg.rank == 1 { 2 } else { 30 }), |comm| {
+        let comm = comm.unwrap();
+        let t0 = Instant::now();
+        let result = match comm.rank() {
+            0 => {
+                let mut got = vec![0u8; 8];
+                unsafe { comm.recv(buf(&mut got), DType::U8, Some(2), 4, None, true) }.and_then(|w| w.wait(None).unwrap()).err().map(|e| e.to_string())
+            }
+            2 => {
+                std::thread::sleep(Duration::from_secs(6));
+                None
+            }
+            _ => None, // closes at once, and waits its 2 s for the pair
+        };
+        (result, t0.elapsed())
+    });
+    let _ = std::fs::remove_file(routes);
+    let (err, waited) = &out[0];
+    let err = err.as_deref().expect("the receive failed");
+    assert!(err.contains("through rank 1") && err.contains("closed"), "{err}");
+    assert!(*waited < Duration::from_secs(6), "failed when the relay left, not at its deadline: {waited:?}");
+}

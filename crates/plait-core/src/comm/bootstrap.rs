@@ -13,7 +13,7 @@ use crate::dtype::DType;
 use crate::error::{PlaitError, Result};
 use crate::exec::p2p;
 use crate::net::auth::{key_from_hex, key_to_hex, LinkAuth, LinkStream, PublicKey};
-use crate::net::connect::connect;
+use crate::net::connect::{connect, HANDSHAKE_OP};
 use crate::net::frame::{PING_TAG, PONG_TAG, PROBE_AGAIN_TAG, PROBE_TAG};
 use crate::net::handshake::Hello;
 use crate::net::iface::{list_interfaces, IfaceAddr};
@@ -467,41 +467,44 @@ fn connect_mesh(
         session.attach_link(peer, PeerLink::start(peer, addr, streams, demux.clone(), plan.heartbeat)?)?;
         Ok(())
     };
-    for peer in 0..rank {
-        if session.links[peer].is_some() {
-            continue; // kept from the last epoch
-        }
+    // Every lower rank at once: a peer that cannot be reached costs its dial budget once, not
+    // once for each peer after it.
+    let lower: Vec<usize> = (0..rank).filter(|&p| session.links[p].is_none()).collect();
+    let dials: Vec<(usize, Dial)> = std::thread::scope(|scope| {
+        let dialing: Vec<_> = lower.iter().map(|&peer| (peer, scope.spawn(move || dial(plan, routing, peer)))).collect();
+        dialing.into_iter().map(|(peer, d)| (peer, d.join().unwrap_or_else(|_| Dial::Failed(PlaitError::Internal(format!("connecting to rank {peer} panicked")), false)))).collect()
+    });
+    let say_unreachable = |unreachable: &Vec<Unreachable>| {
+        // Said before failing, so the peer waiting for this connection fails with the reason too.
+        let _ = plan.publish(&format!("reach/{rank}"), &serde_json::to_vec(unreachable).unwrap());
+    };
+    for (peer, d) in dials {
         let info = &routing.infos[peer];
-        let first = Hello { to: peer as u32, ..plan.hello.clone() };
-        if let Some(file) = routing.file.filter(|f| f.relayed(rank, peer)) {
-            unreachable.push(Unreachable { a: peer, b: rank, why: format!("the route file {} says \"relay\"", file.path) });
-            if !plan.cfg.relay {
-                let _ = plan.publish(&format!("reach/{rank}"), &serde_json::to_vec(&unreachable).unwrap());
-                return Err(PlaitError::Config(format!("PLAIT_ROUTES={}: ranks {peer} and {rank} are to be relayed, but PLAIT_RELAY=0", file.path)));
+        let (streams, route) = match d {
+            Dial::Connected(streams, route) => (streams, route),
+            Dial::Relay(why) => {
+                unreachable.push(Unreachable { a: peer, b: rank, why });
+                if !plan.cfg.relay {
+                    say_unreachable(&unreachable);
+                    let path = routing.file.map(|f| f.path.as_str()).unwrap_or_default();
+                    return Err(PlaitError::Config(format!("PLAIT_ROUTES={path}: ranks {peer} and {rank} are to be relayed, but PLAIT_RELAY=0")));
+                }
+                continue;
             }
-            continue;
-        }
-        let per_route = if plan.cfg.relay { dial_budget(plan.cfg) } else { Duration::MAX };
-        let (stream, route) = match routing.candidates(peer).and_then(|c| connect_first(&c, info, &first, &plan.auth, plan.deadline, per_route)) {
-            Ok(connected) => connected,
-            // Not the network: start-up was called off, or the settings are wrong.
-            Err(e @ (PlaitError::Aborted { .. } | PlaitError::Config(_) | PlaitError::InvalidArgument(_))) => return Err(e),
-            Err(e) => {
+            // The peer answered and refused, start-up was called off, or the settings are wrong:
+            // nothing a relay would mend.
+            Dial::Failed(e, false) => return Err(e),
+            Dial::Failed(e, true) => {
                 let why = e.to_string();
                 unreachable.push(Unreachable { a: peer, b: rank, why: why.clone() });
                 if !plan.cfg.relay {
-                    // Said first, so the peer waiting for this connection fails with the reason too.
-                    let _ = plan.publish(&format!("reach/{rank}"), &serde_json::to_vec(&unreachable).unwrap());
+                    say_unreachable(&unreachable);
                     return Err(e);
                 }
                 tracing::warn!(peer, "no connection to rank {peer}: its frames will go through a rank that reaches both: {why}");
                 continue;
             }
         };
-        let mut streams = vec![stream];
-        for lane in 1..lanes {
-            streams.push(connect(&route, info.port, &Hello { lane, ..first.clone() }, &plan.auth, plan.deadline)?);
-        }
         routes.push(LinkRecord::connected(
             peer,
             route.local.name.clone(),
@@ -551,6 +554,46 @@ fn connect_mesh(
         start(peer, format!("{remote}:{}", info.port), streams, session)?;
     }
     Ok(())
+}
+
+/// How connecting to a lower rank went.
+enum Dial {
+    /// Every lane, over this route.
+    Connected(Vec<LinkStream>, Route),
+    /// The route file says to relay the pair (why).
+    Relay(String),
+    /// Failed; whether a relay could stand in (the network failed, not the settings or the peer's
+    /// answer).
+    Failed(PlaitError, bool),
+}
+
+/// Connects every lane to lower rank `peer`, trying its routes in order.
+fn dial(plan: &Plan, routing: &Routing, peer: usize) -> Dial {
+    let (rank, info) = (plan.cfg.rank, &routing.infos[peer]);
+    if let Some(file) = routing.file.filter(|f| f.relayed(rank, peer)) {
+        return Dial::Relay(format!("the route file {} says \"relay\"", file.path));
+    }
+    let first = Hello { to: peer as u32, ..plan.hello.clone() };
+    let per_route = if plan.cfg.relay { dial_budget(plan.cfg) } else { Duration::MAX };
+    let candidates = match routing.candidates(peer) {
+        Ok(c) => c,
+        Err(e) => return Dial::Failed(e, false),
+    };
+    let (stream, route) = match connect_first(&candidates, info, &first, &plan.auth, plan.deadline, per_route) {
+        Ok(connected) => connected,
+        Err((e, answered)) => {
+            let relayable = !answered && !matches!(e, PlaitError::Aborted { .. } | PlaitError::Config(_) | PlaitError::InvalidArgument(_));
+            return Dial::Failed(e, relayable);
+        }
+    };
+    let mut streams = vec![stream];
+    for lane in 1..plan.hello.lanes {
+        match connect(&route, info.port, &Hello { lane, ..first.clone() }, &plan.auth, plan.deadline) {
+            Ok(s) => streams.push(s),
+            Err(e) => return Dial::Failed(e, false),
+        }
+    }
+    Dial::Connected(streams, route)
 }
 
 /// The pairs rank `peer` could not connect (published once it has tried every lower rank).
@@ -605,12 +648,16 @@ fn set_relays(session: &Session, demux: &Demux, unreachable: &[Unreachable], all
         session.link(peer).set_via(via, through);
         tracing::info!(peer, via, "frames to rank {peer} go through rank {via}");
     }
+    for &(a, b, _) in relays.iter().filter(|r| r.2 == rank) {
+        session.link(a).keep_receiver_threads();
+        session.link(b).keep_receiver_threads();
+    }
     *routes = all[rank].clone();
     Ok(())
 }
 
 /// Tries the candidate routes in order, each for at most `per_route`; each but the last for at
-/// most 5 s.
+/// most 5 s. On failure, whether the peer's listener answered on some route (and refused).
 fn connect_first(
     candidates: &[Route],
     info: &PeerInfo,
@@ -618,16 +665,17 @@ fn connect_first(
     auth: &LinkAuth,
     deadline: Instant,
     per_route: Duration,
-) -> Result<(LinkStream, Route)> {
+) -> std::result::Result<(LinkStream, Route), (PlaitError, bool)> {
     if candidates.is_empty() {
-        return Err(PlaitError::Rendezvous(format!(
+        return Err((PlaitError::Rendezvous(format!(
             "no usable route to rank {} ({}): none of its addresses {:?} is reachable from this host's interfaces (check PLAIT_IFACE)",
             info.rank,
             info.host,
             info.addrs.iter().map(|a| a.ip.to_string()).collect::<Vec<_>>()
-        )));
+        )), false));
     }
     let mut errors = Vec::new();
+    let mut answered = false;
     for (i, route) in candidates.iter().enumerate() {
         let last = i + 1 == candidates.len();
         let limit = if last { per_route } else { per_route.min(Duration::from_secs(5)) };
@@ -640,7 +688,9 @@ fn connect_first(
                 }
                 return Ok((s, route));
             }
+            Err(e @ PlaitError::Aborted { .. }) => return Err((e, false)),
             Err(e) => {
+                answered |= matches!(&e, PlaitError::Peer { op, .. } if op == HANDSHAKE_OP);
                 tracing::warn!(peer = info.rank, route = %route.peer_ip, "route failed, trying the next: {e}");
                 errors.push(format!("{} -> {}: {e}", route.local.ip, route.peer_ip));
             }
@@ -649,7 +699,7 @@ fn connect_first(
             break;
         }
     }
-    Err(PlaitError::Rendezvous(format!("could not connect to rank {} ({}): {}", info.rank, info.host, errors.join("; "))))
+    Err((PlaitError::Rendezvous(format!("could not connect to rank {} ({}): {}", info.rank, info.host, errors.join("; "))), answered))
 }
 
 /// The round trip of every link: a ping that the peer's receiver thread answers at once (see

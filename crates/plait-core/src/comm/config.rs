@@ -230,7 +230,7 @@ pub const SETTINGS: &[Setting] = &[
         name: "PLAIT_RELAY",
         kind: "choice",
         default: "1",
-        doc: "1: two ranks that cannot connect to each other (a firewall or NAT refuses, no route, no cable between them, or \"relay\" in PLAIT_ROUTES) send their frames through a rank that reaches both, chosen from the measured links; start-up gives each connection 10 s (a quarter of PLAIT_TIMEOUT, if less) before it relays. 0: start-up fails, naming the pair. Set the same on every rank.",
+        doc: "1: two ranks that cannot connect to each other (a firewall or NAT refuses, no route, no cable between them, or \"relay\" in PLAIT_ROUTES) send their frames through a rank that reaches both, chosen from the measured links; start-up dials its peers at once and gives each route 10 s (a quarter of PLAIT_TIMEOUT, if less) before it relays; a peer that answers and refuses (token, group, version) is not relayed. 0: start-up fails, naming the pair. Set the same on every rank.",
         range: None,
     },
     Setting {

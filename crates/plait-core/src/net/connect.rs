@@ -15,7 +15,14 @@ enum Attempt {
     /// Worth trying again before the deadline (peer not listening yet, connection dropped).
     Retry(String),
     Fatal(String),
+    /// The peer's listener answered and refused (or is not plait): the network works, the
+    /// settings or keys disagree. Reported with the operation "handshake", not "connect".
+    Answered(String),
 }
+
+/// The operation a connection's error names when the peer's listener answered and refused it
+/// (keys, token, group or version disagree): nothing a relay would mend.
+pub const HANDSHAKE_OP: &str = "handshake";
 
 /// Binds to `route.local.ip` (unless unspecified), connects to `(route.peer_ip, port)` and
 /// handshakes. Connection refused or reset is retried until `deadline`, since the peer may not
@@ -68,9 +75,13 @@ pub fn connect(route: &Route, port: u16, hello: &Hello, auth: &LinkAuth, deadlin
                 std::thread::sleep(backoff.min(left));
                 backoff = (backoff * 2).min(Duration::from_millis(200));
             }
-            Err(Attempt::Fatal(what)) => {
+            Err(attempt @ (Attempt::Fatal(_) | Attempt::Answered(_))) => {
+                let (op, what) = match attempt {
+                    Attempt::Answered(what) => (HANDSHAKE_OP, what),
+                    Attempt::Fatal(what) | Attempt::Retry(what) => ("connect", what),
+                };
                 return Err(PlaitError::Peer {
-                    op: "connect".into(),
+                    op: op.into(),
                     peer: hello.to as usize,
                     addr: peer.to_string(),
                     what: format!("{what} (via {via})"),
@@ -127,25 +138,26 @@ fn attempt(local: IpAddr, peer: SocketAddr, hello: &Hello, auth: &LinkAuth, dead
 
     let mut b = [0u8; REPLY_FIXED_LEN];
     read_exact_by(&mut s, &mut b, deadline).map_err(|e| classify(e, "awaiting handshake reply"))?;
+    let answered = Attempt::Answered;
     if &b[..7] != REPLY_MAGIC {
-        return Err(fatal(format!(
+        return Err(answered(format!(
             "answered the handshake with something that is not plait ({:02x?}); is another service on port {}?",
             &b[..7],
             peer.port()
         )));
     }
     if b[7] != VERSION {
-        return Err(fatal(format!("speaks handshake version {}, this side {VERSION}", b[7])));
+        return Err(answered(format!("speaks handshake version {}, this side {VERSION}", b[7])));
     }
     let rlen = (u16::from_le_bytes([b[9], b[10]]) as usize).min(MAX_REASON_LEN);
     if b[8] != 1 {
         let mut r = vec![0u8; rlen];
         let _ = read_exact_by(&mut s, &mut r, deadline);
-        return Err(fatal(format!("refused the handshake: {}", String::from_utf8_lossy(&r))));
+        return Err(answered(format!("refused the handshake: {}", String::from_utf8_lossy(&r))));
     }
     let cipher = match initiator.finish(auth, &mut s, deadline) {
         Ok(Ok(cipher)) => cipher,
-        Ok(Err(why)) => return Err(fatal(why)),
+        Ok(Err(why)) => return Err(answered(why)),
         Err(e) => return Err(classify(e, "authenticating")),
     };
     s.set_read_timeout(None).map_err(|e| classify(e, "handshake"))?;

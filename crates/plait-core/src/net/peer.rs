@@ -71,6 +71,11 @@ impl LaneWaker {
             lane.resume();
         }
     }
+
+    /// Whether both wake the same lane.
+    pub fn same(&self, other: &LaneWaker) -> bool {
+        Weak::ptr_eq(&self.0, &other.0)
+    }
 }
 
 /// Memory the sender thread reads from. The submitter keeps it alive until `done` is called.
@@ -123,6 +128,8 @@ pub struct PeerLink {
     /// Set for a peer this rank has no connection to: the link has no lanes, and its frames go
     /// through another rank (see `PeerLink::relayed`).
     relay: Option<Relayed>,
+    /// `keep_receiver_threads`.
+    receiver_threads_only: AtomicBool,
 }
 
 /// Where a relayed link's frames go: inside relay envelopes, over the link to a rank that
@@ -170,6 +177,7 @@ impl PeerLink {
             closing: Arc::new(AtomicBool::new(false)),
             threads: Mutex::new(Vec::new()),
             relay: None,
+            receiver_threads_only: AtomicBool::new(false),
         });
         link.start_lanes(streams)?;
         Ok(link)
@@ -194,6 +202,7 @@ impl PeerLink {
             closing: Arc::new(AtomicBool::new(false)),
             threads: Mutex::new(Vec::new()),
             relay: Some(Relayed { me, via: OnceLock::new() }),
+            receiver_threads_only: AtomicBool::new(false),
         })
     }
 
@@ -296,27 +305,25 @@ impl PeerLink {
     /// Queues a frame. `done` runs once it is written (or failed): on this thread when the
     /// frame is small and its lane idle, else on that lane's sender thread.
     pub fn send(&self, req: SendReq) {
-        self.send_on(req, false)
+        self.send_on(req)
     }
 
-    /// Sends on the first connection, behind every frame sent so before it (`relayed`). `urgent`:
-    /// ahead of queued frames, as `send_urgent` does.
+    /// Sends on the first connection, behind every frame sent so before it (`relayed`): always
+    /// through the queue, which a frame written by its caller could overtake. `urgent`: ahead of
+    /// queued frames, as `send_urgent` does (for an Abort, whose order does not matter).
     pub fn send_in_order(&self, req: SendReq, urgent: bool) {
         if let Some(relay) = &self.relay {
             return self.send_relayed(relay, req, urgent);
         }
-        if urgent {
-            let lanes = self.lanes.read();
-            if let Err(e) = lanes[0].urgent.send(req) {
-                drop(lanes);
-                drop(e.into_inner()); // reports the failure to its submitter
-            }
-            return;
+        let lanes = self.lanes.read();
+        let queue = if urgent { &lanes[0].urgent } else { &lanes[0].queue };
+        if let Err(e) = queue.send(req) {
+            drop(lanes);
+            drop(e.into_inner()); // reports the failure to its submitter
         }
-        self.send_on(req, true)
     }
 
-    fn send_on(&self, req: SendReq, first_lane: bool) {
+    fn send_on(&self, req: SendReq) {
         if let Some(relay) = &self.relay {
             return self.send_relayed(relay, req, false);
         }
@@ -324,7 +331,7 @@ impl PeerLink {
         // `done` runs with the lanes unlocked: it may send again.
         let (result, req) = {
             let lanes = self.lanes.read();
-            let lane = if small || first_lane || lanes.len() == 1 {
+            let lane = if small || lanes.len() == 1 {
                 &lanes[0]
             } else {
                 &lanes[self.next_lane.fetch_add(1, Ordering::Relaxed) % lanes.len()]
@@ -395,7 +402,8 @@ impl PeerLink {
                     done(r);
                 }
             });
-            return self.send_in_order(SendReq { header, data, done: Some(done) }, true);
+            // A Close keeps its place behind the data, as on the peer's own lanes.
+            return self.send_in_order(SendReq { header, data, done: Some(done) }, kind == FrameKind::Abort);
         }
         // The payload lives until the last lane has written it; the first error is reported.
         struct Fanout {
@@ -457,11 +465,20 @@ impl PeerLink {
         self.lanes.read().iter().try_for_each(|lane| poll.add(&lane.read))
     }
 
-    /// Lets the thread waiting for a small operation read this link itself (see `reader`).
+    /// Lets the thread waiting for a small operation read this link itself (see `reader`);
+    /// never for a link kept with its receiver threads (`keep_receiver_threads`).
     pub fn set_caller_mode(&self, on: bool) {
+        let on = on && !self.receiver_threads_only.load(Ordering::Acquire);
         for lane in self.lanes.read().iter() {
             lane.read.set_caller_mode(on);
         }
+    }
+
+    /// Reads this link on its receiver threads from now on, whatever `set_caller_mode` says: a
+    /// relay passes frames on as they come, not when one of its own operations waits.
+    pub fn keep_receiver_threads(&self) {
+        self.receiver_threads_only.store(true, Ordering::Release);
+        self.set_caller_mode(false);
     }
 
     /// The graceful end of a link: waits (until `deadline`) for queued frames to be written, ends

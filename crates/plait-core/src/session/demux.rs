@@ -68,7 +68,9 @@ impl Forwarding {
         let held = st.0.get(&dest).copied().unwrap_or(0);
         if held > 0 && held.saturating_add(n) > FORWARD_MAX {
             if let Some(lane) = lane {
-                st.1.push(lane.clone());
+                if !st.1.iter().any(|w| w.same(lane)) {
+                    st.1.push(lane.clone());
+                }
                 return false;
             }
         }
@@ -210,25 +212,28 @@ impl Inbox for Demux {
 
     fn deliver_relayed(&self, via: usize, origin: usize, dest: usize, h: &FrameHeader, payload: &mut dyn Read, lane: Option<&LaneWaker>) -> io::Result<Delivery> {
         let session = self.session.lock().upgrade();
-        let bad = |what: String| Err(io::Error::new(io::ErrorKind::InvalidData, what));
-        let Some(f) = session else {
-            return bad(format!("rank {via} relayed a frame from rank {origin} to rank {dest} before this rank's mesh was ready (or after it closed)"));
-        };
-        let link = |p: usize| f.links.get(p).and_then(|l| l.clone());
-        if dest == f.rank {
+        let link = |p: usize| session.as_ref().and_then(|f| f.links.get(p)?.clone());
+        let me = session.as_ref().map(|f| f.rank);
+        let why = if me == Some(dest) {
             // Only over the link its sender relays through (or will: the choice is made as
             // start-up ends, and the sender may finish first).
             match link(origin) {
-                Some(l) if l.is_relayed() && l.via().is_none_or(|r| r == via) => self.deliver(origin, h, payload, lane),
-                _ => bad(format!("rank {via} relayed a frame from rank {origin}, which this rank does not reach through rank {via}")),
+                Some(l) if l.is_relayed() && l.via().is_none_or(|r| r == via) => return self.deliver(origin, h, payload, lane),
+                _ => format!("this rank does not reach rank {origin} through rank {via}"),
             }
         } else {
             // The sender of an envelope is the rank it came from: a relayed frame takes one hop.
             match link(dest) {
-                Some(out) if origin == via && !out.is_relayed() && dest != via => self.forward(&out, origin, dest, h, payload, lane),
-                _ => bad(format!("rank {via} asked this rank to pass on a frame from rank {origin} to rank {dest}, which it does not relay")),
+                Some(out) if origin == via && !out.is_relayed() && dest != via => return self.forward(&out, origin, dest, h, payload, lane),
+                _ if me.is_none() => "this rank's mesh is not ready or has closed".into(),
+                _ => format!("this rank does not relay for rank {origin} and rank {dest}"),
             }
-        }
+        };
+        // A frame of a mesh that is gone (an elastic view's, a subgroup's kept over a grown mesh):
+        // read and dropped, as the mailbox drops a finished call's; the link it came over is not
+        // at fault.
+        tracing::warn!("a frame relayed from rank {origin} to rank {dest} by rank {via} was dropped: {why}");
+        io::copy(payload, &mut io::sink()).map(|_| Delivery::Taken)
     }
 
     fn link_down(&self, peer: usize, error: io::Error, clean: bool) {
@@ -254,16 +259,46 @@ impl Demux {
         }
     }
 
+    /// The link to `peer` ended after its Close: the ranks this rank reaches through `peer` that
+    /// have not closed yet are cut off (the relay waited for them as long as it could), and the
+    /// operations waiting for them fail now, naming the relay, instead of at their deadlines.
+    fn relay_closed(&self, peer: usize) {
+        let Some(f) = self.session.lock().upgrade() else { return };
+        let closed: Vec<usize> = self.closes.lock().keys().copied().collect();
+        for (p, l) in f.links.iter().enumerate() {
+            let Some(l) = l else { continue };
+            if l.via() != Some(peer) || closed.contains(&p) {
+                continue;
+            }
+            let err = PlaitError::Peer {
+                op: String::new(),
+                peer: p,
+                addr: l.addr.clone(),
+                what: format!("is reached through rank {peer}, which closed its communicator before rank {p} closed"),
+                waited: Duration::ZERO,
+            };
+            self.mailbox.peer_closed(p, &err);
+            if let Some(groups) = &self.groups {
+                groups.peer_closed(p, &err);
+            }
+        }
+    }
+
     /// Passes the frame `h` from `origin` on to `dest` over `out`, in order with the others it
     /// passes on there; parks it while `FORWARD_MAX` bytes for `dest` wait to be written.
     fn forward(&self, out: &PeerLink, origin: usize, dest: usize, h: &FrameHeader, payload: &mut dyn Read, lane: Option<&LaneWaker>) -> io::Result<Delivery> {
+        let too_large = || io::Error::new(io::ErrorKind::InvalidData, format!("rank {origin} sent a frame of {} bytes for rank {dest} to pass on: more than this rank can hold", h.nbytes));
         if h.nbytes > isize::MAX as u64 / 2 {
-            return Err(io::Error::new(io::ErrorKind::InvalidData, format!("rank {origin} sent a frame of {} bytes for rank {dest} to pass on: more than any buffer holds", h.nbytes)));
+            return Err(too_large());
         }
         if !self.forwarding.claim(dest, h.nbytes, lane) {
             return Ok(Delivery::Parked { until: Instant::now() + Duration::from_millis(100) });
         }
-        let mut inner = Vec::with_capacity(crate::net::frame::HEADER_LEN + h.nbytes as usize);
+        let mut inner = Vec::new();
+        if inner.try_reserve_exact(crate::net::frame::HEADER_LEN + h.nbytes as usize).is_err() {
+            self.forwarding.release(dest, h.nbytes);
+            return Err(too_large());
+        }
         inner.extend_from_slice(&h.encode());
         let read = payload.take(h.nbytes).read_to_end(&mut inner);
         let (forwarding, n) = (self.forwarding.clone(), h.nbytes);
@@ -351,6 +386,7 @@ impl Demux {
 
     fn link_ended(&self, peer: usize, error: io::Error, clean: bool) {
         if clean {
+            self.relay_closed(peer);
             return;
         }
         let what = blame::link_end(&error);
