@@ -522,19 +522,8 @@ fn connect_mesh(
         if session.links[peer].is_some() {
             continue;
         }
-        // The peer says which ranks it could not connect to once it has tried them all (its
-        // connects do not wait for anyone's accepts), so this waits for a connection that comes.
-        if let Some(u) = reach_of(plan, peer)?.into_iter().find(|u| u.a == rank) {
-            if !plan.cfg.relay {
-                return Err(PlaitError::Rendezvous(format!(
-                    "rank {peer} ({}) failed: could not connect to rank {rank}, this rank (PLAIT_RELAY=0): {}",
-                    info.host, u.why
-                )));
-            }
-            continue;
-        }
         let listener = listener.expect("a rank with peers listens");
-        let stream = listener.accept_from(peer as u32, plan.deadline)?;
+        let Some(stream) = accept_or_hear(plan, listener, peer)? else { continue };
         let remote = stream.stream.peer_addr().map(|a| a.ip().to_canonical().to_string()).unwrap_or_default();
         let local_ip = stream.stream.local_addr().map(|a| a.ip().to_canonical()).ok();
         let local_iface = routing.me.addrs.iter().find(|a| Some(a.ip) == local_ip).map(|a| a.name.clone()).unwrap_or_default();
@@ -594,6 +583,37 @@ fn dial(plan: &Plan, routing: &Routing, peer: usize) -> Dial {
         }
     }
     Dial::Connected(streams, route)
+}
+
+/// Higher rank `peer`'s connection, or None when it says it could not connect to this rank (it
+/// publishes which ranks it could not connect to once it has tried them all; its connects do
+/// not wait for anyone's accepts). Until the deadline, whose error names the connections that
+/// came and said nothing.
+fn accept_or_hear(plan: &Plan, listener: &Listener, peer: usize) -> Result<Option<LinkStream>> {
+    let (rank, t0) = (plan.cfg.rank, Instant::now());
+    loop {
+        let slice = plan.deadline.min(Instant::now() + Duration::from_millis(200));
+        match listener.accept_from(peer as u32, slice) {
+            Ok(stream) => return Ok(Some(stream)),
+            Err(PlaitError::Timeout { .. }) if Instant::now() < plan.deadline => {}
+            Err(PlaitError::Timeout { op, waiting_on, .. }) => return Err(PlaitError::Timeout { op, waiting_on, waited: t0.elapsed() }),
+            Err(e) => return Err(e),
+        }
+        let Ok(raw) = plan.store.get(&format!("{}/reach/{peer}", plan.prefix), Duration::from_millis(1)) else { continue };
+        let theirs: Vec<Unreachable> = serde_json::from_slice(&raw)
+            .map_err(|e| PlaitError::Rendezvous(format!("rank {peer} published an unreadable list of ranks it could not connect to: {e}")))?;
+        match theirs.into_iter().find(|u| u.a == rank) {
+            Some(_) if plan.cfg.relay => return Ok(None),
+            Some(u) => {
+                return Err(PlaitError::Rendezvous(format!(
+                    "rank {peer} failed: could not connect to rank {rank}, this rank (PLAIT_RELAY=0): {}",
+                    u.why
+                )))
+            }
+            // It connected (its connection is on its way) or is still trying.
+            None => {}
+        }
+    }
 }
 
 /// The pairs rank `peer` could not connect (published once it has tried every lower rank).
