@@ -20,9 +20,12 @@ fn rate(all: &[Vec<LinkRecord>], from: usize, to: usize) -> Option<f64> {
     direct(all, to, from)?.rx_bytes_per_s
 }
 
-/// The relay of each pair `(a, b)` in `pairs` (a < b), as `(a, b, relay)`; `Err((a, b))` names
-/// the first pair no rank connects to both.
-pub(crate) fn choose(pairs: &[(usize, usize)], all: &[Vec<LinkRecord>]) -> Result<Vec<(usize, usize, usize)>, (usize, usize)> {
+/// A pair of ranks `(a, b)`, a < b, and the rank that relays their frames.
+pub(crate) type Relay = (usize, usize, usize);
+
+/// The relay of each pair `(a, b)` in `pairs` (a < b); `Err((a, b))` names the first pair no
+/// rank connects to both.
+pub(crate) fn choose(pairs: &[(usize, usize)], all: &[Vec<LinkRecord>]) -> Result<Vec<Relay>, (usize, usize)> {
     let n = all.len();
     let mut load = vec![0usize; n];
     let mut out = Vec::with_capacity(pairs.len());
@@ -65,7 +68,7 @@ pub(crate) fn relayed_record(all: &[Vec<LinkRecord>], me: usize, peer: usize, vi
 }
 
 /// Adds the relayed links of `relays` to every rank's records, in peer order.
-pub(crate) fn add_relayed(all: &mut [Vec<LinkRecord>], relays: &[(usize, usize, usize)], why: &dyn Fn(usize, usize) -> String) {
+pub(crate) fn add_relayed(all: &mut [Vec<LinkRecord>], relays: &[Relay], why: &dyn Fn(usize, usize) -> String) {
     let records: Vec<(usize, LinkRecord)> = relays
         .iter()
         .flat_map(|&(a, b, r)| [(a, relayed_record(all, a, b, r, &why(a, b))), (b, relayed_record(all, b, a, r, &why(a, b)))])
