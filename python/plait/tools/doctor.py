@@ -750,17 +750,11 @@ def print_report(rep, console=None):
             t.add_row(str(row["from"]), str(row["to"]), row["local_iface"] or "?", ends, sub, mtu, row["reason"])
         console.print(t)
 
-    links = rep.get("start_up_links")
-    if links:
-        t = Table(title="Links as start-up measured them (what the cost model and the ring order use): Mbit/s "
-                        "(one-way latency ms), from row to column", title_justify="left")
-        t.add_column("from \\ to", justify="right")
-        for j in range(n):
-            t.add_column(str(j), justify="right")
-        for i in range(n):
-            t.add_row(str(i), *("" if i == j else f"{(links['bytes_per_s'][i][j] or 0) * 8e-6:.0f} "
-                                f"({(links['latency_s'][i][j] or 0) * 1e3:.2f})" for j in range(n)))
-        console.print(t)
+    if rep.get("start_up_links"):
+        from .topology import links_table
+
+        console.print(links_table(rep["start_up_links"], "Links as start-up measured them (what the cost model and "
+                                  "the ring order use): Mbit/s (one-way latency ms), from row to column"))
 
     def matrix(title, m, fmt):
         if not any(v is not None for row in m for v in row):

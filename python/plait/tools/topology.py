@@ -80,6 +80,22 @@ def measure_world(comm, sizes, bench, iters, coll="allreduce", root=0):
             "error_factor": error_factor((r["predicted_s"], r["measured_s"]) for r in rows) if bench else None}
 
 
+def links_table(links, title):
+    """The link matrix (`Communicator.link_matrix()`) as a table: Mbit/s (one-way latency ms),
+    from row to column."""
+    from ._ui import Table
+
+    n = len(links["bytes_per_s"])
+    t = Table(title=title, title_justify="left")
+    t.add_column("from \\ to", justify="right")
+    for j in range(n):
+        t.add_column(str(j), justify="right")
+    for i in range(n):
+        t.add_row(str(i), *("" if i == j else f"{(links['bytes_per_s'][i][j] or 0) * 8e-6:.0f} "
+                            f"({(links['latency_s'][i][j] or 0) * 1e3:.2f})" for j in range(n)))
+    return t
+
+
 def print_report(rep, console=None):
     from ._ui import Console, Table
 
@@ -92,15 +108,7 @@ def print_report(rep, console=None):
     if links is None:
         console.print("[yellow]the links were not measured (PLAIT_MEASURE=0?)")
     else:
-        t = Table(title="links measured at start-up: Mbit/s (one-way latency ms), from row to column",
-                  title_justify="left")
-        t.add_column("from \\ to", justify="right")
-        for j in range(n):
-            t.add_column(str(j), justify="right")
-        for i in range(n):
-            t.add_row(str(i), *("" if i == j else f"{links['bytes_per_s'][i][j] * 8e-6:.0f} "
-                                f"({links['latency_s'][i][j] * 1e3:.2f})" for j in range(n)))
-        console.print(t)
+        console.print(links_table(links, "links measured at start-up: Mbit/s (one-way latency ms), from row to column"))
     bench = any(r["measured_s"] is not None for r in rep["rows"])
     coll = rep.get("collective", "allreduce") + (f" from rank {rep['root']}" if rep.get("collective", "allreduce") != "allreduce" else "")
     t = Table(title=f"{coll}, float32: the cost model's prediction" + (" and the slowest rank's median" if bench else ""),
