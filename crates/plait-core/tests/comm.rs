@@ -653,3 +653,45 @@ fn a_ring_order_that_is_not_one_of_the_worlds_ranks_is_refused_when_the_size_is_
     let e = Communicator::new(&MemStore::new(), cfg).err().expect("refused").to_string();
     assert!(e.contains("PLAIT_RING_ORDER") && e.contains("the 3 ranks"), "{e}");
 }
+
+/// A mesh grown by a rank (elastic mode, at an update point) keeps the figures of the links it
+/// keeps and measures only the new rank's: the kept link's rate is the one measured before, to
+/// the bit, and every link to the new rank has one.
+#[test]
+fn a_grown_mesh_measures_only_the_links_to_new_ranks() {
+    let store = Arc::new(MemStore::new());
+    let cfg = |rank: usize, size: usize, epoch: u64| {
+        let mut cfg = CommConfig::from_env(rank, size).unwrap();
+        cfg.timeout = Duration::from_secs(30);
+        cfg.measure = Measure::Always;
+        cfg.group = "grown-measure".into();
+        cfg.epoch = epoch;
+        cfg
+    };
+    let handles: Vec<_> = (0..3)
+        .map(|r| {
+            let store = store.clone();
+            std::thread::spawn(move || {
+                let (before, comm) = if r < 2 {
+                    let first = Communicator::new(&*store, cfg(r, 2, 0)).unwrap();
+                    let before = first.link_matrix().expect("measured").clone();
+                    (Some(before), first.grow(&*store, cfg(r, 3, 1)).unwrap())
+                } else {
+                    (None, Communicator::new(&*store, cfg(2, 3, 1)).unwrap())
+                };
+                let after = comm.link_matrix().expect("measured").clone();
+                comm.close();
+                (before, after)
+            })
+        })
+        .collect();
+    let out: Vec<_> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    let before = out[0].0.as_ref().unwrap();
+    for (r, (_, after)) in out.iter().enumerate() {
+        assert_eq!(after, &out[0].1, "rank {r} holds the same matrix");
+        assert_eq!((after.bandwidth(0, 1), after.bandwidth(1, 0)), (before.bandwidth(0, 1), before.bandwidth(1, 0)), "the kept link was not measured again");
+        for (i, j) in [(0, 2), (2, 0), (1, 2), (2, 1)] {
+            assert!(after.bandwidth(i, j) > 1e6, "{i}->{j} measured: {after:?}");
+        }
+    }
+}

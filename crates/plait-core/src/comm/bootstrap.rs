@@ -259,7 +259,9 @@ pub(crate) fn bootstrap_from(store: &dyn Store, cfg: &CommConfig, kept: Option<K
         if !measure::wanted(cfg.measure, &machines(&infos)) {
             return share_links(&plan, "links", &mut routes);
         }
-        measure_links(&session, &rtts, &mut routes, plan.deadline, PROBE_TAG)?;
+        // A link kept from the last view keeps its figures: only the new ones hold the view up.
+        let new: Vec<usize> = session.direct_peers().into_iter().filter(|p| !kept_peers.contains(p)).collect();
+        measure_links(&session, &new, &rtts, &mut routes, plan.deadline, PROBE_TAG)?;
         let all = share_links(&plan, "links", &mut routes)?;
         let grow = measure::lanes_wanted(&all);
         if grow.is_empty() {
@@ -268,7 +270,8 @@ pub(crate) fn bootstrap_from(store: &dyn Store, cfg: &CommConfig, kept: Option<K
         // Every rank holds the same records, so every rank adds the same connections and measures
         // again, over them.
         add_lanes(&plan, &session, listener.as_ref(), &infos, &dialed, &grow, &mut routes)?;
-        measure_links(&session, &rtts, &mut routes, plan.deadline, PROBE_AGAIN_TAG)?;
+        let grown: Vec<usize> = grow.iter().filter_map(|&(i, j, _)| (i == rank).then_some(j).or((j == rank).then_some(i))).collect();
+        measure_links(&session, &grown, &rtts, &mut routes, plan.deadline, PROBE_AGAIN_TAG)?;
         share_links(&plan, "links-grown", &mut routes)
     });
     let all_links = all_links.and_then(|mut all| {
@@ -764,10 +767,10 @@ fn size_buffers(session: &Session, addrs: &[IfaceAddr], routes: &mut [LinkRecord
     }
 }
 
-/// Each link's rate into this rank, into its record (`measure`).
-fn measure_links(session: &Arc<Session>, rtts: &[(usize, Duration)], routes: &mut [LinkRecord], deadline: Instant, tag: u64) -> Result<()> {
+/// The rate into this rank of its links to `peers`, into their records (`measure`).
+fn measure_links(session: &Arc<Session>, peers: &[usize], rtts: &[(usize, Duration)], routes: &mut [LinkRecord], deadline: Instant, tag: u64) -> Result<()> {
     let t0 = Instant::now();
-    for (peer, rate) in measure::measure_bandwidth(session, rtts, deadline, tag)? {
+    for (peer, rate) in measure::measure_bandwidth(session, peers, rtts, deadline, tag)? {
         if let Some(r) = routes.iter_mut().find(|r| r.peer == peer) {
             r.rx_bytes_per_s = rate;
         }

@@ -57,15 +57,16 @@ pub(crate) fn train_time(rtt: Duration) -> Duration {
     (rtt * 20).clamp(MIN_TRAIN, MAX_TRAIN)
 }
 
-/// The rate of each link into this rank, in bytes per second: `(peer, rate)` for every peer
-/// (None where too few frames came to tell). `rtts` is the round trip to each peer. `tag`:
-/// `PROBE_TAG`, or `PROBE_AGAIN_TAG` for a second measurement (see there).
-pub(crate) fn measure_bandwidth(session: &Arc<Session>, rtts: &[(usize, Duration)], deadline: Instant, tag: u64) -> Result<Vec<(usize, Option<f64>)>> {
+/// The rate of each link into this rank, in bytes per second: `(peer, rate)` for every peer in
+/// `peers` (None where too few frames came to tell). `peers` must be the same relation on every
+/// rank (a link is measured in both directions or neither). `rtts` is the round trip to each
+/// peer. `tag`: `PROBE_TAG`, or `PROBE_AGAIN_TAG` for a second measurement (see there).
+pub(crate) fn measure_bandwidth(session: &Arc<Session>, peers: &[usize], rtts: &[(usize, Duration)], deadline: Instant, tag: u64) -> Result<Vec<(usize, Option<f64>)>> {
     let (rank, n) = (session.rank, session.size);
     let rtt = |p: usize| rtts.iter().find(|x| x.0 == p).map_or(Duration::ZERO, |x| x.1);
     let mut rates = Vec::with_capacity(n.saturating_sub(1));
     // A relayed link is not measured: its figures are its two hops' (`relay`).
-    let direct = session.direct_peers();
+    let direct: Vec<usize> = session.direct_peers().into_iter().filter(|p| peers.contains(p)).collect();
     for k in 1..n {
         let (to, from) = ((rank + k) % n, (rank + n - k) % n);
         let (sent, rate) = std::thread::scope(|scope| {
@@ -331,8 +332,8 @@ mod tests {
                     let session = comm.session();
                     let rtts = [(1 - r, Duration::from_millis(1))];
                     let deadline = Instant::now() + Duration::from_secs(20);
-                    let first = measure_bandwidth(session, &rtts, deadline, PROBE_TAG).unwrap();
-                    let again = measure_bandwidth(session, &rtts, deadline, PROBE_AGAIN_TAG).unwrap();
+                    let first = measure_bandwidth(session, &[1 - r], &rtts, deadline, PROBE_TAG).unwrap();
+                    let again = measure_bandwidth(session, &[1 - r], &rtts, deadline, PROBE_AGAIN_TAG).unwrap();
                     comm.barrier(None, true).unwrap().wait(None).unwrap().unwrap();
                     let left = session.mailbox.stashed_len();
                     comm.close();
