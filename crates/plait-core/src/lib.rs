@@ -40,5 +40,5 @@ pub use net::frame::RESERVED_TAGS;
 pub use net::iface::{list_interfaces, IfaceAddr};
 pub use platform::host::host_identity;
 pub use raw::RawBuf;
-pub use sched::{gen::algorithms, order::LinkMatrix, Collective};
+pub use sched::{cost::Constants as CostConstants, gen::algorithms, order::LinkMatrix, Collective};
 pub use store::{call_with_deadline, MemStore, Store};

@@ -647,6 +647,23 @@ fn ranks_that_would_measure_differently_are_refused_at_once_naming_the_setting()
 }
 
 #[test]
+fn ranks_with_different_cost_models_or_relay_settings_are_refused_at_once_naming_the_setting() {
+    let out = refusals(2, Duration::from_secs(30), |cfg| {
+        if cfg.rank == 1 {
+            cfg.cost = plait_core::CostConstants::parse("alpha=2e-5").unwrap();
+        }
+    });
+    for (e, took) in out {
+        assert!(e.contains("PLAIT_COST_MODEL") && e.contains("unset") && e.contains("alpha=2e-5") && e.contains("set it the same on every rank"), "{e}");
+        assert!(took < Duration::from_secs(10), "refused after {took:?}, not at the deadline");
+    }
+    let out = refusals(2, Duration::from_secs(30), |cfg| cfg.relay = cfg.rank == 0);
+    for (e, _) in out {
+        assert!(e.contains("PLAIT_RELAY=") && e.contains("set it the same on every rank"), "{e}");
+    }
+}
+
+#[test]
 fn a_ring_order_that_is_not_one_of_the_worlds_ranks_is_refused_when_the_size_is_known() {
     let mut cfg = CommConfig::from_env(0, 3).unwrap();
     cfg.ring_order = RingOrder::Given(vec![0, 2, 1, 3]);

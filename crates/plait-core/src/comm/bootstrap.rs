@@ -57,6 +57,10 @@ struct PeerInfo {
     /// `PLAIT_RELAY` on this rank: a rank that would fail where the others relay is named at once.
     #[serde(default = "yes")]
     relay: bool,
+    /// `PLAIT_COST_MODEL` on this rank (`Constants::canonical`): ranks whose selectors would
+    /// choose differently are refused at once, not at their first mismatched call.
+    #[serde(default)]
+    cost: String,
 }
 
 fn yes() -> bool {
@@ -190,6 +194,7 @@ pub(crate) fn bootstrap_from(store: &dyn Store, cfg: &CommConfig, kept: Option<K
         kept: kept.as_ref().map(|k| k.session.direct_peers()).unwrap_or_default(),
         measure: cfg.measure.name().to_string(),
         relay: cfg.relay,
+        cost: cfg.cost.canonical(),
     };
     if let Some(k) = &kept {
         // Before the record goes out: no peer sends this epoch's frames before it has it.
@@ -234,7 +239,7 @@ pub(crate) fn bootstrap_from(store: &dyn Store, cfg: &CommConfig, kept: Option<K
         let r = rendezvous(&plan, &me).and_then(|infos| {
             check_kept(&session, &infos)?;
             check_measure(cfg, &infos)?;
-            check_relay(cfg, &infos)?;
+            check_relay_and_cost(cfg, &infos)?;
             if let Some(l) = &listener {
                 let higher: Vec<(u32, Vec<_>)> =
                     infos[rank + 1..].iter().map(|i| (i.rank as u32, i.addrs.iter().map(|a| a.ip).collect())).collect();
@@ -324,15 +329,24 @@ fn check_measure(cfg: &CommConfig, infos: &[PeerInfo]) -> Result<()> {
     Ok(())
 }
 
-/// Every rank must relay alike: a rank that would fail where its peers relay leaves them waiting.
-fn check_relay(cfg: &CommConfig, infos: &[PeerInfo]) -> Result<()> {
-    match infos.iter().find(|i| i.relay != cfg.relay) {
-        Some(info) => Err(PlaitError::Config(format!(
+/// Every rank must relay alike (a rank that would fail where its peers relay leaves them
+/// waiting), and price schedules alike (or their selectors choose differently).
+fn check_relay_and_cost(cfg: &CommConfig, infos: &[PeerInfo]) -> Result<()> {
+    if let Some(info) = infos.iter().find(|i| i.relay != cfg.relay) {
+        return Err(PlaitError::Config(format!(
             "PLAIT_RELAY={} on this rank ({}) and {} on rank {} ({}): set it the same on every rank",
             cfg.relay as u8, cfg.rank, info.relay as u8, info.rank, info.host
-        ))),
-        None => Ok(()),
+        )));
     }
+    let mine = cfg.cost.canonical();
+    if let Some(info) = infos.iter().find(|i| i.cost != mine) {
+        let shown = |s: &str| if s.is_empty() { "unset".to_string() } else { format!("{s:?}") };
+        return Err(PlaitError::Config(format!(
+            "PLAIT_COST_MODEL {} on this rank ({}) and {} on rank {} ({}): the ranks would choose different algorithms; set it the same on every rank",
+            shown(&mine), cfg.rank, shown(&info.cost), info.rank, info.host
+        )));
+    }
+    Ok(())
 }
 
 /// A link is kept only if both ends kept it: a rank whose last mesh failed (or that is new)

@@ -216,7 +216,7 @@ pub const SETTINGS: &[Setting] = &[
         name: "PLAIT_COST_MODEL",
         kind: "text",
         default: "",
-        doc: "The cost model's constants, as `plait topology --fit` prints them: alpha=SECONDS (per message),bandwidth=BYTES_PER_SECOND (per link, where links were not measured),gamma=SECONDS_PER_BYTE (reducing),parallelism=LINKS (how many of a rank's links run at full rate at once where they share a host or NIC, 1 to 64); any of them, the others keep their defaults. Set the same on every rank: the selector's choices must agree.",
+        doc: "The cost model's constants, as `plait topology --fit` prints them: alpha=SECONDS (per message),bandwidth=BYTES_PER_SECOND (per link, where links were not measured),gamma=SECONDS_PER_BYTE (reducing),parallelism=LINKS (how many of a rank's links run at full rate at once where they share a host or NIC, 1 to 64); any of them, the others keep their defaults. Set the same on every rank (a mismatch is refused at start-up): the selectors' choices must agree.",
         range: None,
     },
     Setting {

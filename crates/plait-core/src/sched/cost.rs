@@ -256,6 +256,13 @@ impl Constants {
         Ok(c)
     }
 
+    /// The constants set, as a setting that reads back to the same numbers ("" when none is):
+    /// ranks compare theirs at start-up.
+    pub fn canonical(&self) -> String {
+        let set = [self.alpha, self.bandwidth, self.gamma, self.parallelism];
+        NAMES.iter().zip(set).filter_map(|(n, v)| Some(format!("{n}={:e}", v?))).collect::<Vec<_>>().join(",")
+    }
+
     /// The setting that gives `m`'s constants.
     pub fn text_of(m: &LinkModel) -> String {
         format!("alpha={:.3e},bandwidth={:.3e},gamma={:.3e},parallelism={:.3}", m.alpha, m.bandwidth, m.gamma, m.parallelism)
