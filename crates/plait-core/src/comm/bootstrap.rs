@@ -276,6 +276,10 @@ pub(crate) fn bootstrap_from(store: &dyn Store, cfg: &CommConfig, kept: Option<K
         // again, over them.
         add_lanes(&plan, &session, listener.as_ref(), &infos, &dialed, &grow, &mut routes)?;
         let grown: Vec<usize> = grow.iter().filter_map(|&(i, j, _)| (i == rank).then_some(j).or((j == rank).then_some(i))).collect();
+        // The added connections' buffers, sized as the first one's were (the product spread
+        // over every connection of the link).
+        let grown_rtts: Vec<(usize, Duration)> = rtts.iter().copied().filter(|(p, _)| grown.contains(p)).collect();
+        size_buffers(&session, &me.addrs, &mut routes, &grown_rtts);
         measure_links(&session, &grown, &rtts, &mut routes, plan.deadline, PROBE_AGAIN_TAG)?;
         share_links(&plan, "links-grown", &mut routes)
     });
