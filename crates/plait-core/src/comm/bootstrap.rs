@@ -612,27 +612,45 @@ fn dial(plan: &Plan, routing: &Routing, peer: usize) -> Dial {
 /// came and said nothing.
 fn accept_or_hear(plan: &Plan, listener: &Listener, peer: usize) -> Result<Option<LinkStream>> {
     let (rank, t0) = (plan.cfg.rank, Instant::now());
+    let accept = |by: Instant| match listener.accept_from(peer as u32, by) {
+        Err(PlaitError::Timeout { op, waiting_on, .. }) => Err(PlaitError::Timeout { op, waiting_on, waited: t0.elapsed() }),
+        other => other.map(Some),
+    };
     loop {
-        let slice = plan.deadline.min(Instant::now() + Duration::from_millis(200));
-        match listener.accept_from(peer as u32, slice) {
-            Ok(stream) => return Ok(Some(stream)),
-            Err(PlaitError::Timeout { .. }) if Instant::now() < plan.deadline => {}
-            Err(PlaitError::Timeout { op, waiting_on, .. }) => return Err(PlaitError::Timeout { op, waiting_on, waited: t0.elapsed() }),
-            Err(e) => return Err(e),
-        }
-        let Ok(raw) = plan.store.get(&format!("{}/reach/{peer}", plan.prefix), Duration::from_millis(1)) else { continue };
-        let theirs: Vec<Unreachable> = serde_json::from_slice(&raw)
-            .map_err(|e| PlaitError::Rendezvous(format!("rank {peer} published an unreadable list of ranks it could not connect to: {e}")))?;
-        match theirs.into_iter().find(|u| u.a == rank) {
-            Some(_) if plan.cfg.relay => return Ok(None),
-            Some(u) => {
-                return Err(PlaitError::Rendezvous(format!(
-                    "rank {peer} failed: could not connect to rank {rank}, this rank (PLAIT_RELAY=0): {}",
-                    u.why
-                )))
+        // Its list, waited for in slices (a store across a WAN answers in no less than its round
+        // trip), with a look at the listener between them.
+        let (slice, asked) = (plan.left().min(Duration::from_secs(1)), Instant::now());
+        let store_said = match plan.store.get(&format!("{}/reach/{peer}", plan.prefix), slice) {
+            Ok(raw) => {
+                let theirs: Vec<Unreachable> = serde_json::from_slice(&raw)
+                    .map_err(|e| PlaitError::Rendezvous(format!("rank {peer} published an unreadable list of ranks it could not connect to: {e}")))?;
+                return match theirs.into_iter().find(|u| u.a == rank) {
+                    Some(_) if plan.cfg.relay => Ok(None),
+                    Some(u) => Err(PlaitError::Rendezvous(format!(
+                        "rank {peer} failed: could not connect to rank {rank}, this rank (PLAIT_RELAY=0): {}",
+                        u.why
+                    ))),
+                    // It connected: its connection is here or on its way.
+                    None => accept(plan.deadline),
+                };
             }
-            // It connected (its connection is on its way) or is still trying.
-            None => {}
+            // Not yet (a store may say so as an error of its own kind: kept for the report).
+            Err(e) => e,
+        };
+        if asked.elapsed() < slice / 2 {
+            std::thread::sleep(Duration::from_millis(50)); // a store that fails at once
+        }
+        if let Ok(Some(stream)) = listener.accept_from(peer as u32, Instant::now()).map(Some) {
+            return Ok(Some(stream));
+        }
+        if Instant::now() >= plan.deadline {
+            // Names the connections that came and said nothing, if any, and the store's last word.
+            return accept(Instant::now()).map_err(|e| match (e, store_said) {
+                (PlaitError::Timeout { op, waiting_on, waited }, s) if !matches!(s, PlaitError::Timeout { .. }) => {
+                    PlaitError::Timeout { op, waiting_on: format!("{waiting_on}; the store, asked for its list of ranks it could not connect to: {s}"), waited }
+                }
+                (e, _) => e,
+            });
         }
     }
 }

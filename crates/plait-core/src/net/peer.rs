@@ -439,6 +439,11 @@ impl PeerLink {
         }
     }
 
+    /// Whether every lane of this link has ended (read to its end, or failed).
+    pub fn ended(&self) -> bool {
+        self.lanes.read().iter().all(|l| l.read.finished())
+    }
+
     /// Time since anything (data or heartbeat) arrived on the most silent lane to this peer.
     pub fn silent_for(&self) -> Duration {
         if let Some(relay) = &self.relay {

@@ -264,6 +264,11 @@ impl Demux {
     /// operations waiting for them fail now, naming the relay, instead of at their deadlines.
     fn relay_closed(&self, peer: usize) {
         let Some(f) = self.session.lock().upgrade() else { return };
+        // Once every lane has ended: frames still on another lane (relayed ones take the first)
+        // may yet satisfy what waits.
+        if !f.links.get(peer).and_then(|l| l.as_ref()).is_some_and(|l| l.ended()) {
+            return;
+        }
         let closed: Vec<usize> = self.closes.lock().keys().copied().collect();
         for (p, l) in f.links.iter().enumerate() {
             let Some(l) = l else { continue };

@@ -78,9 +78,14 @@ unsafe impl Send for Posted {}
 
 impl Posted {
     /// Completes this receive: the one event its operation waits for.
-    pub fn report(mut self, result: Result<(), PlaitError>, source: usize) {
+    pub fn report(self, result: Result<(), PlaitError>, source: usize) {
+        self.report_at(result, source, Instant::now())
+    }
+
+    /// `report`, for a message that had landed (in the stash) at `at`.
+    fn report_at(mut self, result: Result<(), PlaitError>, source: usize, at: Instant) {
         self.reported = true;
-        let _ = self.events.send(Event { token: self.token, result, source, at: Instant::now() });
+        let _ = self.events.send(Event { token: self.token, result, source, at });
     }
 
     /// Forgets this receive without an event: its operation withdrew it and counts that itself.
@@ -230,7 +235,7 @@ impl Mailbox {
         };
         let result = land_from_memory(key.0, &stashed.header, &stashed.data, &p);
         self.pool.give(stashed.data);
-        p.report(result, key.0);
+        p.report_at(result, key.0, stashed.arrived);
     }
 
     /// Posts a point-to-point receive from `src` (or any source when `None`) with `tag`; returns
@@ -280,7 +285,7 @@ impl Mailbox {
                 drop(inner);
                 let result = land_from_memory(peer, &s.header, &s.data, &p);
                 self.pool.give(s.data);
-                p.report(result, peer);
+                p.report_at(result, peer, s.arrived);
             }
             None => {
                 if let Some(err) = inner.closed.get(&peer).cloned() {
@@ -518,7 +523,7 @@ impl Mailbox {
                 return Err(late_frame(h));
             }
         } else {
-            inner.stash.insert(key, Stashed { header: *h, data });
+            inner.stash.insert(key, Stashed { header: *h, data, arrived: Instant::now() });
         }
         Ok(Delivery::Taken)
     }
@@ -590,7 +595,7 @@ impl Mailbox {
         for (peer, s, p) in ready {
             let result = land_from_memory(peer, &s.header, &s.data, &p);
             self.pool.give(s.data);
-            p.report(result, peer);
+            p.report_at(result, peer, s.arrived);
         }
     }
 

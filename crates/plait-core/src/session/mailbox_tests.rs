@@ -69,6 +69,22 @@ fn an_early_frame_is_stashed_and_lands_when_its_receive_is_posted() {
     assert_eq!(&dst, b"xyz");
 }
 
+/// A receive posted after its message arrived completes as of the arrival (what a train's
+/// timing reads), not as of the post.
+#[test]
+fn an_early_frame_reports_when_it_arrived() {
+    let m = Mailbox::new();
+    deliver(&m, 1, &p2p(4, 0, b"abc"), b"abc").unwrap();
+    let arrived = std::time::Instant::now();
+    std::thread::sleep(std::time::Duration::from_millis(30));
+    let mut dst = [0u8; 3];
+    let (p, rx) = posted(&mut dst, u8_call(), 1);
+    let posted_at = std::time::Instant::now();
+    m.post_p2p(Some(1), 4, p);
+    let ev = rx.try_recv().expect("completed at once");
+    assert!(ev.at <= arrived && posted_at.duration_since(ev.at) >= std::time::Duration::from_millis(30));
+}
+
 #[test]
 fn messages_with_one_tag_match_receives_in_the_order_they_were_sent() {
     let m = Mailbox::new();

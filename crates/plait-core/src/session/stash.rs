@@ -11,6 +11,8 @@ use std::collections::{BTreeMap, HashMap};
 pub(super) struct Stashed {
     pub header: FrameHeader,
     pub data: Vec<u8>,
+    /// When it was read: a receive posted later completes as of then (`Event::at`).
+    pub arrived: std::time::Instant,
 }
 
 /// (kind, seq or tag)
