@@ -640,8 +640,11 @@ fn accept_or_hear(plan: &Plan, listener: &Listener, peer: usize) -> Result<Optio
         if asked.elapsed() < slice / 2 {
             std::thread::sleep(Duration::from_millis(50)); // a store that fails at once
         }
-        if let Ok(Some(stream)) = listener.accept_from(peer as u32, Instant::now()).map(Some) {
-            return Ok(Some(stream));
+        match listener.accept_from(peer as u32, Instant::now()) {
+            Ok(stream) => return Ok(Some(stream)),
+            Err(PlaitError::Timeout { .. }) => {}
+            // Closed: start-up was called off (an elastic view the group moved past).
+            Err(e) => return Err(e),
         }
         if Instant::now() >= plan.deadline {
             // Names the connections that came and said nothing, if any, and the store's last word.
