@@ -214,7 +214,7 @@ pub(crate) fn bootstrap_from(store: &dyn Store, cfg: &CommConfig, kept: Option<K
         }
     };
     session.busy_poll = cfg.busy_poll;
-    let kept_peers: Vec<usize> = (0..size).filter(|&p| p != rank && session.links[p].is_some()).collect();
+    let kept_peers = session.direct_peers();
     let mut dialed = Vec::new();
     let mut unreachable = Vec::new();
     let watching = std::sync::atomic::AtomicBool::new(true);
@@ -265,6 +265,7 @@ pub(crate) fn bootstrap_from(store: &dyn Store, cfg: &CommConfig, kept: Option<K
             return share_links(&plan, "links", &mut routes);
         }
         // A link kept from the last view keeps its figures: only the new ones hold the view up.
+        // A relayed link is not measured: its figures are its two hops' (`relay`).
         let new: Vec<usize> = session.direct_peers().into_iter().filter(|p| !kept_peers.contains(p)).collect();
         measure_links(&session, &new, &rtts, &mut routes, plan.deadline, PROBE_TAG)?;
         let all = share_links(&plan, "links", &mut routes)?;
@@ -622,9 +623,7 @@ fn accept_or_hear(plan: &Plan, listener: &Listener, peer: usize) -> Result<Optio
         let (slice, asked) = (plan.left().min(Duration::from_secs(1)), Instant::now());
         let store_said = match plan.store.get(&format!("{}/reach/{peer}", plan.prefix), slice) {
             Ok(raw) => {
-                let theirs: Vec<Unreachable> = serde_json::from_slice(&raw)
-                    .map_err(|e| PlaitError::Rendezvous(format!("rank {peer} published an unreadable list of ranks it could not connect to: {e}")))?;
-                return match theirs.into_iter().find(|u| u.a == rank) {
+                return match parse_reach(peer, &raw)?.into_iter().find(|u| u.a == rank) {
                     Some(_) if plan.cfg.relay => Ok(None),
                     Some(u) => Err(PlaitError::Rendezvous(format!(
                         "rank {peer} failed: could not connect to rank {rank}, this rank (PLAIT_RELAY=0): {}",
@@ -660,8 +659,11 @@ fn accept_or_hear(plan: &Plan, listener: &Listener, peer: usize) -> Result<Optio
 
 /// The pairs rank `peer` could not connect (published once it has tried every lower rank).
 fn reach_of(plan: &Plan, peer: usize) -> Result<Vec<Unreachable>> {
-    let raw = plan.store.get(&format!("{}/reach/{peer}", plan.prefix), plan.left())?;
-    serde_json::from_slice(&raw).map_err(|e| PlaitError::Rendezvous(format!("rank {peer} published an unreadable list of ranks it could not connect to: {e}")))
+    parse_reach(peer, &plan.store.get(&format!("{}/reach/{peer}", plan.prefix), plan.left())?)
+}
+
+fn parse_reach(peer: usize, raw: &[u8]) -> Result<Vec<Unreachable>> {
+    serde_json::from_slice(raw).map_err(|e| PlaitError::Rendezvous(format!("rank {peer} published an unreadable list of ranks it could not connect to: {e}")))
 }
 
 /// Every pair of ranks without a connection of its own, from every rank's list, in order; this

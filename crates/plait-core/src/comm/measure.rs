@@ -58,20 +58,18 @@ pub(crate) fn train_time(rtt: Duration) -> Duration {
 }
 
 /// The rate of each link into this rank, in bytes per second: `(peer, rate)` for every peer in
-/// `peers` (None where too few frames came to tell). `peers` must be the same relation on every
+/// `peers`, each reached directly (None where too few frames came to tell). `peers` must be the same relation on every
 /// rank (a link is measured in both directions or neither). `rtts` is the round trip to each
 /// peer. `tag`: `PROBE_TAG`, or `PROBE_AGAIN_TAG` for a second measurement (see there).
 pub(crate) fn measure_bandwidth(session: &Arc<Session>, peers: &[usize], rtts: &[(usize, Duration)], deadline: Instant, tag: u64) -> Result<Vec<(usize, Option<f64>)>> {
     let (rank, n) = (session.rank, session.size);
     let rtt = |p: usize| rtts.iter().find(|x| x.0 == p).map_or(Duration::ZERO, |x| x.1);
     let mut rates = Vec::with_capacity(n.saturating_sub(1));
-    // A relayed link is not measured: its figures are its two hops' (`relay`).
-    let direct: Vec<usize> = session.direct_peers().into_iter().filter(|p| peers.contains(p)).collect();
     for k in 1..n {
         let (to, from) = ((rank + k) % n, (rank + n - k) % n);
         let (sent, rate) = std::thread::scope(|scope| {
-            let sender = scope.spawn(|| if direct.contains(&to) { send_train(session, to, train_time(rtt(to)), deadline, tag) } else { Ok(()) });
-            let rate = if direct.contains(&from) { receive_train(session, from, deadline, tag).map(Some) } else { Ok(None) };
+            let sender = scope.spawn(|| if peers.contains(&to) { send_train(session, to, train_time(rtt(to)), deadline, tag) } else { Ok(()) });
+            let rate = if peers.contains(&from) { receive_train(session, from, deadline, tag).map(Some) } else { Ok(None) };
             (sender.join().expect("the probe sender does not panic"), rate)
         });
         sent?;

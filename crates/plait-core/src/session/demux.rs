@@ -275,17 +275,16 @@ impl Demux {
             if l.via() != Some(peer) || closed.contains(&p) {
                 continue;
             }
-            let err = PlaitError::Peer {
-                op: String::new(),
-                peer: p,
-                addr: l.addr.clone(),
-                what: format!("is reached through rank {peer}, which closed its communicator before rank {p} closed"),
-                waited: Duration::ZERO,
-            };
-            self.mailbox.peer_closed(p, &err);
-            if let Some(groups) = &self.groups {
-                groups.peer_closed(p, &err);
-            }
+            self.peer_closed(p, l.addr.clone(), format!("is reached through rank {peer}, which closed its communicator before rank {p} closed"));
+        }
+    }
+
+    /// `peer` is gone (`what`): operations that no longer need it go on; those waiting for it fail.
+    fn peer_closed(&self, peer: usize, addr: String, what: String) {
+        let err = PlaitError::Peer { op: String::new(), peer, addr, what, waited: Duration::ZERO };
+        self.mailbox.peer_closed(peer, &err);
+        if let Some(groups) = &self.groups {
+            groups.peer_closed(peer, &err);
         }
     }
 
@@ -371,18 +370,7 @@ impl Demux {
                 if closes < lanes {
                     return Ok(());
                 }
-                let err = PlaitError::Peer {
-                    op: String::new(),
-                    peer,
-                    addr: self.addr(peer),
-                    what: "closed its communicator".into(),
-                    waited: Duration::ZERO,
-                };
-                // Operations that no longer need this peer go on; those waiting for it fail.
-                self.mailbox.peer_closed(peer, &err);
-                if let Some(groups) = &self.groups {
-                    groups.peer_closed(peer, &err);
-                }
+                self.peer_closed(peer, self.addr(peer), "closed its communicator".into());
                 Ok(())
             }
             _ => read_text(h, payload, 0).map(|_| ()),
