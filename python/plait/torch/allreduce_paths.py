@@ -13,7 +13,7 @@ from . import trace
 from .arguments import OPS, reduce_op
 from .engine import Op, profiling
 from .staging import invalid
-from .work import completed_work, torch_error
+from .work import completed_work, done_work, torch_error
 
 # What the small-allreduce path handles; anything else takes the general path.
 _SMALL_DTYPES = {dt: name for dt, name in stg.CORE_DTYPE.items() if name != "bool"}
@@ -47,19 +47,23 @@ def small_allreduce(g, t, opts):
     p = t.data_ptr() if nbytes else 0
     ts = (t,)
     rec = g.trace.begin("all_reduce", opts, ts, ts) if g.trace is not None else None
+    started = False
     try:
         if g.check is not None:
             g.check.run("all_reduce", opts, ts, ts)  # TORCH_DISTRIBUTED_DEBUG=DETAIL: raises on every rank
-        w = g.comm.collective("allreduce", p, nbytes, p, nbytes, dt, op, timeout=g.op_timeout(opts.timeout), inline=True, wire=wire)
+        w = g.comm.collective("allreduce", p, nbytes, p, nbytes, dt, op, timeout=g.op_timeout(opts.timeout), inline=True,
+                              wire=wire)
+        started = True
+        w.wait()  # inline: complete already; raises the operation's error
     except PlaitError as e:
         err = torch_error(e, g.context())
+        err.plait_started = started  # an error of the run itself is not this rank's refusal (`agreed`)
         if rec is not None:
             trace.end(rec, err)
         raise err from None
-    w = g.work([w], [t], None, "all_reduce", (t,))
     if rec is not None:
-        trace.started(rec, w)
-    return w
+        trace.done(rec)
+    return done_work(g, [t], "all_reduce")
 
 
 def sparse_allreduce(g, t, opts):
