@@ -673,6 +673,54 @@ fn algorithms(coll: Named) -> PyResult<Vec<String>> {
     Ok(plait_core::algorithms(collective(coll)?).iter().map(|s| s.to_string()).collect())
 }
 
+/// A built-in algorithm's schedule as a version-1 schedule file (JSON text).
+#[pyfunction]
+#[pyo3(signature = (coll, algo, nranks, root=0, name=None))]
+fn schedule_file(coll: Named, algo: &str, nranks: usize, root: usize, name: Option<&str>) -> PyResult<String> {
+    plait_core::builtin_schedule_file(collective(coll)?, algo, nranks, root, name).map_err(to_py)
+}
+
+/// Reads and checks a schedule file's text (`origin` names it in errors); returns its facts.
+/// Raises ConfigError saying what is wrong. `custom=False` also reads a built-in's own file.
+#[pyfunction]
+#[pyo3(signature = (text, origin="<schedule>", custom=true))]
+fn check_schedule<'py>(py: Python<'py>, text: &str, origin: &str, custom: bool) -> PyResult<Bound<'py, PyDict>> {
+    let read = if custom { plait_core::parse_schedule_file } else { plait_core::read_schedule_file };
+    let c = read(text, origin).map_err(to_py)?;
+    let s = &c.schedule;
+    let d = PyDict::new(py);
+    d.set_item("name", &s.name)?;
+    d.set_item("collective", s.collective.name())?;
+    d.set_item("nranks", s.nranks)?;
+    d.set_item("root", s.root)?;
+    d.set_item("scratch_slots", s.scratch_slots)?;
+    d.set_item("steps", s.nsteps())?;
+    d.set_item("transfers", s.ranks.iter().flatten().map(|st| st.sends.len()).sum::<usize>())?;
+    d.set_item("locals", s.ranks.iter().flatten().map(|st| st.locals.len()).sum::<usize>())?;
+    d.set_item("digest", &c.digest)?;
+    d.set_item("description", &c.description)?;
+    let w = PyDict::new(py);
+    w.set_item("min_bytes", c.when.min_bytes)?;
+    w.set_item("max_bytes", c.when.max_bytes)?;
+    w.set_item("topology", c.when.topology.as_deref().unwrap_or("any"))?;
+    d.set_item("when", w)?;
+    Ok(d)
+}
+
+/// The cost model's predicted seconds for a schedule file at each size (bytes of the whole
+/// layout), on links of class `topology`, with `cost_model` constants (PLAIT_COST_MODEL's form;
+/// default: the built-in constants). Built-in algorithms' own files are read too.
+#[pyfunction]
+#[pyo3(signature = (text, sizes, *, topology="shared", cost_model=None, segment_bytes=1048576, origin="<schedule>"))]
+fn estimate_schedule(text: &str, sizes: Vec<u64>, topology: &str, cost_model: Option<&str>, segment_bytes: usize, origin: &str) -> PyResult<Vec<f64>> {
+    let s = plait_core::read_schedule_file(text, origin).map_err(to_py)?.schedule;
+    let constants = match cost_model.filter(|t| !t.trim().is_empty()) {
+        Some(t) => plait_core::CostConstants::parse(t).map_err(|e| to_py(PlaitError::Config(format!("PLAIT_COST_MODEL: {e}"))))?,
+        None => plait_core::CostConstants::default(),
+    };
+    plait_core::estimate_schedule(&s, &sizes, topology, &constants, segment_bytes).map_err(to_py)
+}
+
 /// This host's interface addresses as plait sees them (what each rank publishes).
 #[pyfunction]
 fn interfaces(py: Python<'_>) -> PyResult<Vec<Bound<'_, PyDict>>> {
@@ -900,6 +948,9 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyWitness>()?;
     m.add_class::<PyWork>()?;
     m.add_function(wrap_pyfunction!(algorithms, m)?)?;
+    m.add_function(wrap_pyfunction!(schedule_file, m)?)?;
+    m.add_function(wrap_pyfunction!(check_schedule, m)?)?;
+    m.add_function(wrap_pyfunction!(estimate_schedule, m)?)?;
     m.add_function(wrap_pyfunction!(interfaces, m)?)?;
     m.add_function(wrap_pyfunction!(host_identity, m)?)?;
     m.add_function(wrap_pyfunction!(chunk_hashes, m)?)?;

@@ -426,6 +426,12 @@ def main(argv=None):
     from .bench import build_parser as bench_arguments
 
     bench_arguments(bench)
+    sched = sub.add_parser("schedule", help="check, draw and price custom collective algorithms (schedule files)",
+                           description="Schedule files and programs: docs/schedules.md. Example: plait schedule check "
+                           "examples/schedules/ring_allreduce.py --nranks 2,3,4")
+    from .schedule import add_arguments as schedule_arguments
+
+    schedule_arguments(sched)
     _testbed_parsers(sub)
     run = sub.add_parser("run", help="run a training script as a member of an elastic group",
                          description="Runs `python SCRIPT ARGS...` with PLAIT_JOIN and PLAIT_LISTEN set, so that "
@@ -480,6 +486,10 @@ def main(argv=None):
 
         check_args(bench, args)
         return bench_run(args)
+    if args.command == "schedule":
+        from .schedule import main as schedule_main
+
+        return schedule_main(args)
     if args.command == "testbed":
         return _testbed(args, parser)
     if args.command == "witness":

@@ -27,6 +27,7 @@
 //! segment moving through the steps independently; authors never write pipelining by hand.
 
 pub mod cost;
+pub mod custom;
 pub mod gen;
 pub mod order;
 pub mod select;
@@ -38,13 +39,17 @@ use std::fmt;
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Collective {
+    // Spelt in files as `name()` spells them (and as PLAIT_ALGO does).
+    #[serde(rename = "allreduce", alias = "all_reduce")]
     AllReduce,
     Reduce,
     Broadcast,
+    #[serde(rename = "allgather", alias = "all_gather")]
     AllGather,
     ReduceScatter,
     Gather,
     Scatter,
+    #[serde(rename = "alltoall", alias = "all_to_all")]
     AllToAll,
 }
 
@@ -164,6 +169,7 @@ pub enum Buf {
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct ChunkRef {
     pub buf: Buf,
     pub index: u32,
@@ -196,6 +202,7 @@ impl ChunkRef {
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct SendOp {
     pub peer: u32,
     pub src: ChunkRef,
@@ -204,15 +211,16 @@ pub struct SendOp {
 /// Receive one message from `peer` into `dst`. With `reduce_with = Some(c)`, `dst = c (+) message`
 /// (`c` may be `dst` itself: accumulate); otherwise a plain copy.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct RecvOp {
     pub peer: u32,
     pub dst: ChunkRef,
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reduce_with: Option<ChunkRef>,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
+#[serde(rename_all = "snake_case", deny_unknown_fields)]
 pub enum LocalOp {
     /// `dst = src`
     Copy { src: ChunkRef, dst: ChunkRef },
@@ -221,16 +229,18 @@ pub enum LocalOp {
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct Step {
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub sends: Vec<SendOp>,
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub recvs: Vec<RecvOp>,
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub locals: Vec<LocalOp>,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct Schedule {
     /// Algorithm name as `PLAIT_ALGO` spells it (`ring`, `direct`, ...).
     pub name: String,

@@ -102,6 +102,30 @@ impl Content {
     }
 }
 
+impl Content {
+    fn has(&self, rank: usize) -> bool {
+        self.ranks.get(rank / 64).is_some_and(|w| w & (1 << (rank % 64)) != 0)
+    }
+
+    fn members(&self) -> Vec<usize> {
+        (0..self.ranks.len() * 64).filter(|&q| self.has(q)).collect()
+    }
+
+    /// "block 3 from rank 1", "block 0 reduced over all 4 ranks", "block 0 reduced over ranks 0, 2".
+    fn words(&self, n: usize) -> String {
+        let m = self.members();
+        match m.len() {
+            1 => format!("block {} from rank {}", self.block, m[0]),
+            k if k == n => format!("block {} reduced over all {n} ranks", self.block),
+            _ => format!(
+                "block {} reduced over ranks {}",
+                self.block,
+                m.iter().map(|q| q.to_string()).collect::<Vec<_>>().join(", ")
+            ),
+        }
+    }
+}
+
 impl std::fmt::Display for Content {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let mut list = String::new();
@@ -374,15 +398,34 @@ impl<'a> Sim<'a> {
                 let c = ChunkRef::output(i as u32);
                 let got = &self.mem[r].cells[self.loc(r, c)?];
                 if got.as_ref() != Some(&want) {
-                    let got = got.as_ref().map_or("uninitialised".to_string(), |g| g.to_string());
-                    return Err(format!(
-                        "rank {r} after the last step: {} holds {got}, expected {want}",
-                        chunk_name(c, n)
-                    ));
+                    return Err(wrong_result(r, &chunk_name(c, n), got.as_ref(), &want, n));
                 }
             }
         }
         Ok(())
+    }
+}
+
+/// Why rank `r`'s output chunk `name` is not what the collective promises, in words that say
+/// what is missing: "rank 2 never receives output[3] (block 3 from rank 1)".
+fn wrong_result(r: usize, name: &str, got: Option<&Content>, want: &Content, n: usize) -> String {
+    let Some(got) = got else {
+        return format!("rank {r} never receives {name}: no step writes it (it should end with {})", want.words(n));
+    };
+    if got.block != want.block {
+        return format!("rank {r} ends with {} in {name}, where {} belongs", got.words(n), want.words(n));
+    }
+    let missing: Vec<usize> = want.members().into_iter().filter(|q| !got.has(*q)).collect();
+    let extra: Vec<usize> = got.members().into_iter().filter(|q| !want.has(*q)).collect();
+    let list = |v: &[usize]| v.iter().map(|q| q.to_string()).collect::<Vec<_>>().join(", ");
+    match (missing.is_empty(), extra.is_empty()) {
+        (false, true) if got.members().len() > 1 || want.members().len() > 1 => format!(
+            "rank {r} ends with {} in {name}: the contribution of rank(s) {} never reaches it (it should end with {})",
+            got.words(n),
+            list(&missing),
+            want.words(n)
+        ),
+        _ => format!("rank {r} ends with {} in {name}, but it should end with {}", got.words(n), want.words(n)),
     }
 }
 
@@ -449,7 +492,27 @@ mod tests {
     fn missing_result() {
         let mut s = gen(Collective::Broadcast, "chain", 3);
         s.ranks[0][0].locals.clear();
-        fails(&s, "rank 0 after the last step: output[0] holds uninitialised");
+        fails(&s, "rank 0 never receives output[0]: no step writes it (it should end with block 0 from rank 0)");
+    }
+
+    #[test]
+    fn result_errors_say_what_never_arrives() {
+        // An allreduce that forgets one reduction: a contribution is missing at the end.
+        let mut s = gen(Collective::AllReduce, "ring", 3);
+        let (r, k, i) = (0..3)
+            .flat_map(|r| (0..s.nsteps()).map(move |k| (r, k)))
+            .find_map(|(r, k)| s.ranks[r][k].recvs.iter().position(|o| o.reduce_with.is_some()).map(|i| (r, k, i)))
+            .expect("ring reduces as it receives");
+        s.ranks[r][k].recvs[i].reduce_with = None;
+        let e = verify(&s).unwrap_err();
+        assert!(e.contains("never reaches it") || e.contains("reduced over"), "{e}");
+        // An allgather that never delivers rank 1's block to rank 2.
+        let mut s = gen(Collective::AllGather, "direct", 3);
+        let k = (0..s.nsteps()).find(|&k| s.ranks[1][k].sends.iter().any(|o| o.peer == 2)).unwrap();
+        s.ranks[1][k].sends.retain(|o| o.peer != 2);
+        s.ranks[2][k].recvs.retain(|o| o.peer != 1);
+        let e = fails(&s, "rank 2 never receives output[1]");
+        assert!(e.contains("block 1 from rank 1"), "{e}");
     }
 
     #[test]
