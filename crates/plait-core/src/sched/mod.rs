@@ -33,6 +33,9 @@ pub mod order;
 pub mod select;
 pub mod verify;
 
+#[cfg(test)]
+mod mutation_tests;
+
 use serde::{Deserialize, Serialize};
 use std::fmt;
 
