@@ -5,6 +5,7 @@ checks, draws and prices them."""
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -220,3 +221,36 @@ def test_plait_schedule_check_show_simulate_and_builtin(tmp_path):
     assert "<svg" in (tmp_path / "ring.svg").read_text()[:2000]
     r = _plait("schedule", "show", str(RING), "--nranks", "2,3", "-o", str(tmp_path / "x.svg"))
     assert r.returncode == 1 and "one --nranks" in r.stderr
+
+
+RD = ROOT / "examples" / "schedules" / "rd_allgather.py"
+
+
+def test_plait_schedule_bench_runs_a_program_next_to_the_built_ins_with_right_results():
+    r = subprocess.run(CLI + ["schedule", "bench", str(RD), "--nranks", "2", "-b", "1K", "-e", "4K", "-n", "5",
+                              "-w", "1", "--no-gloo", "--json", "-"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = json.loads(r.stdout)["results"]
+    backends = {row["backend"] for row in rows}
+    assert backends == {"plait:rd_allgather", "plait:ring", "plait:direct"}, backends
+    assert all(row["wrong"] == 0 for row in rows)
+    # The custom backend really ran the custom schedule.
+    assert {row["algorithm"] for row in rows if row["backend"] == "plait:rd_allgather"} == {"rd_allgather"}
+
+
+def test_a_broken_registered_schedule_fails_the_communicator_naming_the_file(tmp_path):
+    bad = tmp_path / "broken.json"
+    doc = json.loads(S.builtin("allgather", "ring", 2, name="mine"))
+    doc["ranks"][0][0]["sends"] = []
+    bad.write_text(json.dumps(doc))
+    with pytest.raises(_core.ConfigError, match=r"broken\.json.*'mine' \(allgather for 2 ranks\) is wrong"):
+        _core.Comm(None, 0, 2, schedules=str(tmp_path))
+    with pytest.raises(_core.ConfigError, match="PLAIT_SCHEDULES: .*absent"):
+        _core.Comm(None, 0, 2, schedules=str(tmp_path / "absent"))
+    # Two files defining one name for the same world size are refused, naming both.
+    (tmp_path / "broken.json").unlink()
+    for f in ("a.json", "b.json"):
+        (tmp_path / f).write_text(S.builtin("allgather", "ring", 2, name="dup"))
+    with pytest.raises(_core.ConfigError, match=r"b\.json and .*a\.json both define allgather 'dup'"):
+        _core.Comm(None, 0, 2, schedules=str(tmp_path))
+    assert S.paths_setting([tmp_path / "a.json", "x"]) == os.pathsep.join([str(tmp_path / "a.json"), "x"])

@@ -90,6 +90,7 @@ class Comm:
         epoch: int = 0,
         algo: Optional[str] = None,
         threads: str = "creator",
+        schedules: Optional[str] = None,
     ) -> None: ...
     def collective(
         self,

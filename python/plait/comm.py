@@ -96,7 +96,7 @@ class Communicator:
 
     def __init__(self, store: Any, rank: int, world_size: int, *, timeout: Optional[float] = None,
                  group: str = "default", epoch: int = 0, algo: Optional[str] = None,
-                 threads: str = "creator") -> None:
+                 threads: str = "creator", schedules: Any = None) -> None:
         w = "Communicator"
         world_size = _core.check_argument("world_size", _int(world_size, w, "world_size"), w)
         rank = check_rank(rank, world_size, w, "rank")
@@ -105,6 +105,10 @@ class Communicator:
             kw["timeout"] = _timeout(timeout, "Communicator")
         if algo is not None:
             kw["algo"] = _str(algo, w, "algo")
+        if schedules is not None:
+            from .schedule import paths_setting
+
+            kw["schedules"] = paths_setting(schedules, w)
         self._store = store
         self._pending = []
         self._comm = _core.Comm(store, rank, world_size, threads=_str(threads, w, "threads"), **kw)

@@ -272,6 +272,16 @@ def _format(doc: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def paths_setting(schedules, what: str = "schedules") -> str:
+    """`schedules=` (a path, or a list of paths: schedule files and directories of them) as
+    PLAIT_SCHEDULES spells it."""
+    items = [schedules] if isinstance(schedules, (str, os.PathLike)) else list(schedules)
+    for p in items:
+        if not isinstance(p, (str, os.PathLike)):
+            raise _core.InvalidArgumentError(f"{what}: schedules must be paths (str or os.PathLike), got {type(p).__name__}")
+    return os.pathsep.join(os.fspath(p) for p in items)
+
+
 def check(text: str, origin: str = "<schedule>", custom: bool = True) -> dict:
     """Verifies a schedule file's text; returns its facts or raises ScheduleError."""
     return _core.check_schedule(text, origin, custom)

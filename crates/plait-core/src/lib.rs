@@ -40,6 +40,6 @@ pub use net::frame::RESERVED_TAGS;
 pub use net::iface::{list_interfaces, IfaceAddr};
 pub use platform::host::host_identity;
 pub use raw::RawBuf;
-pub use sched::custom::{builtin_file as builtin_schedule_file, estimate_sizes as estimate_schedule, parse as parse_schedule_file, read as read_schedule_file, CustomSchedule, When as ScheduleWhen};
+pub use sched::custom::{builtin_file as builtin_schedule_file, load as load_schedules, estimate_sizes as estimate_schedule, parse as parse_schedule_file, read as read_schedule_file, CustomSchedule, When as ScheduleWhen};
 pub use sched::{cost::Constants as CostConstants, Schedule, gen::algorithms, order::LinkMatrix, Collective};
 pub use store::{call_with_deadline, MemStore, Store};

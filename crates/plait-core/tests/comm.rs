@@ -663,6 +663,72 @@ fn ranks_with_different_cost_models_or_relay_settings_are_refused_at_once_naming
     }
 }
 
+/// A custom allgather (every rank sends straight to every other, written in reverse order) as
+/// a schedule file for `n` ranks.
+fn custom_allgather(n: usize, name: &str) -> Arc<plait_core::CustomSchedule> {
+    let text = plait_core::builtin_schedule_file(Collective::AllGather, "direct", n, 0, Some(name)).unwrap();
+    Arc::new(plait_core::parse_schedule_file(&text, &format!("{name}.json")).unwrap())
+}
+
+fn allgather(comm: &Arc<Communicator>, input: &mut [f32], output: &mut [f32], algo: Option<&str>) -> Result<(), PlaitError> {
+    let req = CollRequest {
+        coll: Collective::AllGather,
+        dtype: DType::F32,
+        op: ReduceOp::Sum,
+        root: 0,
+        input: f32_buf(input),
+        output: f32_buf(output),
+        send_counts: None,
+        recv_counts: None,
+        timeout: None,
+        algo: algo.map(String::from),
+        wire: None,
+    };
+    // SAFETY: both buffers outlive the wait.
+    unsafe { comm.collective(req, true) }?.wait(None).unwrap().map(|_| ())
+}
+
+#[test]
+fn a_custom_schedule_runs_when_named_and_says_where_it_does_not_fit() {
+    let out = world_with(3, 0, |cfg| {
+        cfg.schedules = vec![custom_allgather(3, "mine"), custom_allgather(4, "four")];
+        cfg.algo = Some("allgather:mine".into());
+    }, |comm| {
+        let r = comm.rank();
+        let mut input: Vec<f32> = (0..1001).map(|e| (r * 10000 + e) as f32).collect();
+        let mut output = vec![0f32; 3003];
+        allgather(&comm, &mut input, &mut output, None).unwrap();
+        let want: Vec<f32> = (0..3).flat_map(|q| (0..1001).map(move |e| (q * 10000 + e) as f32)).collect();
+        assert_eq!(output, want);
+        let chosen = comm.algorithm_for(Collective::AllGather, 3003 * 4, 0).unwrap();
+        let wrong_size = allgather(&comm, &mut input, &mut output, Some("four")).unwrap_err().to_string();
+        (chosen, wrong_size)
+    });
+    for (chosen, wrong_size) in out {
+        assert_eq!(chosen, "mine");
+        assert!(wrong_size.contains("custom allgather schedule 'four' is for 4 ranks (four.json), not 3 ranks"), "{wrong_size}");
+    }
+    // PLAIT_ALGO naming a schedule nobody registered lists the ones there are.
+    let errs = refusals(1, Duration::from_secs(5), |cfg| {
+        cfg.schedules = vec![custom_allgather(1, "solo")];
+        cfg.algo = Some("allgather:nope".into());
+    });
+    assert!(errs[0].0.contains("'nope'") && errs[0].0.contains("custom: solo"), "{errs:?}");
+}
+
+#[test]
+fn ranks_holding_different_custom_schedules_are_refused_at_once_naming_them() {
+    let out = refusals(2, Duration::from_secs(30), |cfg| {
+        if cfg.rank == 1 {
+            cfg.schedules = vec![custom_allgather(2, "mine")];
+        }
+    });
+    for (e, took) in out {
+        assert!(e.contains("PLAIT_SCHEDULES") && e.contains("allgather mine n=2") && e.contains("[none]"), "{e}");
+        assert!(took < Duration::from_secs(10), "refused after {took:?}, not at the deadline");
+    }
+}
+
 #[test]
 fn a_ring_order_that_is_not_one_of_the_worlds_ranks_is_refused_when_the_size_is_known() {
     let mut cfg = CommConfig::from_env(0, 3).unwrap();

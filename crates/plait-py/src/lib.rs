@@ -440,9 +440,9 @@ impl PyComm {
 #[pymethods]
 impl PyComm {
     #[new]
-    #[pyo3(signature = (store, rank, size, *, timeout=None, group="default".to_string(), epoch=0, algo=None, threads="creator".to_string()))]
+    #[pyo3(signature = (store, rank, size, *, timeout=None, group="default".to_string(), epoch=0, algo=None, threads="creator".to_string(), schedules=None))]
     #[allow(clippy::too_many_arguments)]
-    fn new(py: Python<'_>, store: PyObject, rank: usize, size: usize, timeout: Option<f64>, group: String, epoch: u64, algo: Option<String>, threads: String) -> PyResult<Self> {
+    fn new(py: Python<'_>, store: PyObject, rank: usize, size: usize, timeout: Option<f64>, group: String, epoch: u64, algo: Option<String>, threads: String, schedules: Option<String>) -> PyResult<Self> {
         let mut cfg = CommConfig::from_env(rank, size).map_err(to_py)?;
         cfg.threads = ThreadUse::from_name(&threads).ok_or_else(|| {
             invalid(format!("threads={threads:?}: one of {}", ThreadUse::ALL.map(|t| t.name()).join(", ")))
@@ -452,6 +452,9 @@ impl PyComm {
         }
         cfg.group = group;
         cfg.epoch = epoch;
+        if let Some(spec) = schedules {
+            cfg.schedules = plait_core::load_schedules(&spec).map_err(to_py)?;
+        }
         if algo.is_some() {
             cfg.algo = algo;
         }

@@ -75,9 +75,13 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
     p.add_argument("--wire", choices=("native", "bf16", "f16", "int8"), default=None,
                    help="plait wire compression for f32 allreduce (default: PLAIT_WIRE_DTYPE or none)")
     p.add_argument("--backend", default="plait",
-                   help="comma list run one after another, e.g. plait,gloo; 'tcp-ring' (allreduce only) is the "
-                        "floor: each rank streams the bytes a ring allreduce moves, 2(n-1)/n * S, to its neighbour "
-                        "over plain TCP while receiving as much, with no reduction and no copies")
+                   help="comma list run one after another, e.g. plait,gloo; 'plait:ALGO' is plait with the "
+                        "algorithm forced (a built-in's name or a custom schedule's, see --schedules); 'tcp-ring' "
+                        "(allreduce only) is the floor: each rank streams the bytes a ring allreduce moves, "
+                        "2(n-1)/n * S, to its neighbour over plain TCP while receiving as much, with no reduction "
+                        "and no copies")
+    p.add_argument("--schedules", default=None, metavar="PATH",
+                   help="custom schedule files or directories for plait (as PLAIT_SCHEDULES; docs/schedules.md)")
     p.add_argument("--nproc", type=int, default=None, help="local ranks to spawn (default 2; ignored under torchrun)")
     add_json_option(p, help="write every figure as JSON to PATH; `--json -` (or --json alone) to stdout instead of "
                     "the tables")
@@ -239,7 +243,7 @@ def _count_wrong(torch, op, x, y, n, rank, dt):
 def _algorithm(dist, backend, op, S, n):
     if backend == "tcp-ring":
         return "raw ring"
-    if backend != "plait" or op == "sendrecv":
+    if backend.split(":")[0] != "plait" or op == "sendrecv":
         return "-"
     try:
         pg = dist.distributed_c10d._get_default_group()
@@ -273,8 +277,14 @@ def worker(args) -> int:
         if raw and args.op != "allreduce":
             raise SystemExit("plait bench: the tcp-ring floor is defined for --op allreduce only")
         # The floor still needs a group to gather the timings: gloo's.
-        dist.init_process_group("gloo" if raw else backend, store=dist.PrefixStore(f"bench/{backend}", store),
-                                rank=rank, world_size=n, timeout=timedelta(seconds=args.timeout))
+        name, _, algo = backend.partition(":")
+        kw = {}
+        if name == "plait" and (algo or args.schedules):
+            from plait.torch import PlaitOptions
+
+            kw["pg_options"] = PlaitOptions(algo=f"{args.op}:{algo}" if algo else None, schedules=args.schedules)
+        dist.init_process_group("gloo" if raw else name, store=dist.PrefixStore(f"bench/{backend}", store),
+                                rank=rank, world_size=n, timeout=timedelta(seconds=args.timeout), **kw)
         ring = _TcpRing(dist.PrefixStore("bench/tcp-ring", store), rank, n) if raw else None
         for S in steps:
             x, y, S_real = _tensors(torch, args.op, S, n, rank, dt)

@@ -37,6 +37,18 @@ def add_arguments(p):
     sim.add_argument("--cost-model", default=None, metavar="NAME=VALUE,...",
                      help="cost-model constants as PLAIT_COST_MODEL takes them (default: that setting, else plait's)")
     add_json_option(sim)
+    bn = sub.add_parser("bench", help="run it next to every built-in algorithm and gloo (plait bench on local ranks)",
+                        description="Runs `plait bench --op COLL --nproc N --schedules FILE --backend "
+                        "plait:NAME,plait:BUILTIN...,gloo` on this machine's loopback (or under torchrun / `plait "
+                        "testbed run` on the real links): the schedule and each built-in forced in turn, gloo last.")
+    _file_args(bn)
+    bn.add_argument("-b", "--minbytes", default="4K", help="smallest size (default 4K; bench's -b)")
+    bn.add_argument("-e", "--maxbytes", default="1M", help="largest size (default 1M)")
+    bn.add_argument("-f", "--stepfactor", default="4", help="size multiplier (default 4)")
+    bn.add_argument("-n", "--iters", default="200", help="timed iterations per size (default 200)")
+    bn.add_argument("-w", "--warmup", default="20", help="untimed iterations per size (default 20)")
+    bn.add_argument("--no-gloo", action="store_true", help="leave gloo out")
+    add_json_option(bn)
     bi = sub.add_parser("builtin", help="write a built-in algorithm's schedule file (to read, or to start from)")
     bi.add_argument("collective")
     bi.add_argument("algorithm")
@@ -103,6 +115,8 @@ def main(args):
             return _show(sources, args)
         if cmd == "simulate":
             return _simulate(sources, args, _core)
+        if cmd == "bench":
+            return _bench(sources, args, _core)
     except (S.ScheduleError, _core.InvalidArgumentError, OSError) as e:
         print(f"plait schedule {cmd}: {e}", file=sys.stderr)
         return 1
@@ -226,3 +240,41 @@ def _simulate(sources, args, core):
     if args.json:
         write_json(args.json, {"results": report})
     return 0
+
+
+_BENCH_OPS = ("allreduce", "allgather", "reduce_scatter", "broadcast", "alltoall")
+
+
+def _bench(sources, args, core):
+    import subprocess
+    import tempfile
+
+    from .. import schedule as S
+
+    if len(sources) != 1:
+        raise S.ScheduleError("bench runs one world size: give one --nranks")
+    text, origin, custom = sources[0]
+    facts = S.check(text, origin, custom)
+    coll, n, name = facts["collective"], facts["nranks"], facts["name"]
+    if coll not in _BENCH_OPS:
+        raise S.ScheduleError(f"plait bench has no {coll}: it runs {', '.join(_BENCH_OPS)}")
+    if facts["root"] != 0:
+        raise S.ScheduleError(f"plait bench roots {coll} at rank 0; this schedule's root is {facts['root']}")
+    backends = [f"plait:{a}" for a in core.algorithms(coll) if a != name]
+    with tempfile.TemporaryDirectory(prefix="plait-schedule-bench-") as tmp:
+        if custom:
+            path = os.path.join(tmp, f"{name}.json")
+            with open(path, "w") as f:
+                f.write(text)
+            backends.insert(0, f"plait:{name}")
+        if not args.no_gloo:
+            backends.append("gloo")
+        cmd = [sys.executable, "-m", "plait.tools.cli", "bench", "--op", coll, "--nproc", str(n),
+               "--backend", ",".join(backends), "-b", args.minbytes, "-e", args.maxbytes, "-f", args.stepfactor,
+               "-n", args.iters, "-w", args.warmup]
+        if custom:
+            cmd += ["--schedules", tmp]
+        if args.json:
+            cmd += ["--json", args.json]
+        print("plait schedule bench: " + " ".join(cmd[3:]), file=sys.stderr, flush=True)
+        return subprocess.call(cmd)

@@ -204,7 +204,7 @@ def create(dist_backend_opts, backend_options=None):
             # c10d's contract: every rank issues a group's calls in the same order; torch issues them
             # from several threads (autograd, comm hooks), one at a time, so "creator" would not do.
             comm = _core.Comm(store, rank, size, timeout=o.timeout, group=f"torch/{gid}", epoch=epoch, algo=o.algo,
-                              threads="sequential")
+                              threads="sequential", schedules=o.schedules)
     except PlaitError as e:
         raise torch_error(e) from None
     g = Group(comm, o, gid, ranks, store)

@@ -37,6 +37,9 @@ class PlaitOptions:
     subgroup_links "shared": a group over ranks of an existing plait group (new_group, DeviceMesh)
                    uses that group's connections, which makes creating it nearly free; "own": it
                    opens and probes its own. Env PLAIT_TORCH_SUBGROUP_LINKS.
+    schedules      custom schedules (docs/schedules.md): a path or a list of paths of schedule
+                   files and directories of them. Env PLAIT_SCHEDULES. A group on an existing
+                   group's connections (subgroup_links "shared") has that group's schedules.
     """
 
     timeout: object = None
@@ -47,6 +50,7 @@ class PlaitOptions:
     force_staging: bool = None
     staging_cache_bytes: int = None
     subgroup_links: str = None
+    schedules: object = None
 
     def resolved(self, torch_timeout):
         """A copy with every field filled from the environment and defaults; validates."""
@@ -90,6 +94,10 @@ class PlaitOptions:
             o.staging_cache_bytes = int(_number_env("PLAIT_TORCH_STAGING_CACHE", 256 << 20))
         else:
             o.staging_cache_bytes = _option_number(o.staging_cache_bytes, "staging_cache_bytes", "PLAIT_TORCH_STAGING_CACHE")
+        if o.schedules is not None:
+            from ..schedule import paths_setting
+
+            o.schedules = paths_setting(o.schedules, "plait: pg_options schedules")
         if o.subgroup_links is None:
             o.subgroup_links = _core.setting("PLAIT_TORCH_SUBGROUP_LINKS") or "shared"
         if o.subgroup_links not in _LINKS:

@@ -61,6 +61,10 @@ struct PeerInfo {
     /// choose differently are refused at once, not at their first mismatched call.
     #[serde(default)]
     cost: String,
+    /// `PLAIT_SCHEDULES` on this rank (`custom::summary`): ranks holding different custom
+    /// schedules would choose (or run) different ones.
+    #[serde(default)]
+    schedules: String,
 }
 
 fn yes() -> bool {
@@ -195,6 +199,7 @@ pub(crate) fn bootstrap_from(store: &dyn Store, cfg: &CommConfig, kept: Option<K
         measure: cfg.measure.name().to_string(),
         relay: cfg.relay,
         cost: cfg.cost.canonical(),
+        schedules: crate::sched::custom::summary(&cfg.schedules),
     };
     if let Some(k) = &kept {
         // Before the record goes out: no peer sends this epoch's frames before it has it.
@@ -239,7 +244,7 @@ pub(crate) fn bootstrap_from(store: &dyn Store, cfg: &CommConfig, kept: Option<K
         let r = rendezvous(&plan, &me).and_then(|infos| {
             check_kept(&session, &infos)?;
             check_measure(cfg, &infos)?;
-            check_relay_and_cost(cfg, &infos)?;
+            check_alike_choices(cfg, &infos)?;
             if let Some(l) = &listener {
                 let higher: Vec<(u32, Vec<_>)> =
                     infos[rank + 1..].iter().map(|i| (i.rank as u32, i.addrs.iter().map(|a| a.ip).collect())).collect();
@@ -335,8 +340,9 @@ fn check_measure(cfg: &CommConfig, infos: &[PeerInfo]) -> Result<()> {
 }
 
 /// Every rank must relay alike (a rank that would fail where its peers relay leaves them
-/// waiting), and price schedules alike (or their selectors choose differently).
-fn check_relay_and_cost(cfg: &CommConfig, infos: &[PeerInfo]) -> Result<()> {
+/// waiting), price schedules alike and hold the same custom ones (or their selectors choose
+/// differently).
+fn check_alike_choices(cfg: &CommConfig, infos: &[PeerInfo]) -> Result<()> {
     if let Some(info) = infos.iter().find(|i| i.relay != cfg.relay) {
         return Err(PlaitError::Config(format!(
             "PLAIT_RELAY={} on this rank ({}) and {} on rank {} ({}): set it the same on every rank",
@@ -349,6 +355,14 @@ fn check_relay_and_cost(cfg: &CommConfig, infos: &[PeerInfo]) -> Result<()> {
         return Err(PlaitError::Config(format!(
             "PLAIT_COST_MODEL {} on this rank ({}) and {} on rank {} ({}): the ranks would choose different algorithms; set it the same on every rank",
             shown(&mine), cfg.rank, shown(&info.cost), info.rank, info.host
+        )));
+    }
+    let mine = crate::sched::custom::summary(&cfg.schedules);
+    if let Some(info) = infos.iter().find(|i| i.schedules != mine) {
+        let shown = |s: &str| if s.is_empty() { "none".to_string() } else { s.to_string() };
+        return Err(PlaitError::Config(format!(
+            "PLAIT_SCHEDULES: this rank ({}) holds [{}] and rank {} ({}) holds [{}]: the ranks would choose or run different algorithms; give every rank the same schedule files",
+            cfg.rank, shown(&mine), info.rank, info.host, shown(&info.schedules)
         )));
     }
     Ok(())

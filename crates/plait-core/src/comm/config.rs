@@ -178,6 +178,13 @@ pub const SETTINGS: &[Setting] = &[
         range: None,
     },
     Setting {
+        name: "PLAIT_SCHEDULES",
+        kind: "text",
+        default: "",
+        doc: "Custom schedules (docs/schedules.md): schedule files and directories of them (every *.json), separated by ':' (';' on Windows). Each is verified when the communicator is created; the cost model weighs it against the built-ins for calls its `when` block covers, and PLAIT_ALGO may name it. Every rank must hold the same ones.",
+        range: None,
+    },
+    Setting {
         name: "PLAIT_MEASURE",
         kind: "choice",
         default: "auto",
@@ -349,6 +356,8 @@ pub struct CommConfig {
     pub heartbeat_timeout: Duration,
     /// `PLAIT_ALGO` syntax: `allreduce:ring,allgather:direct`.
     pub algo: Option<String>,
+    /// `PLAIT_SCHEDULES`: users' schedules, read and verified.
+    pub schedules: Vec<std::sync::Arc<crate::sched::custom::CustomSchedule>>,
     pub segment_bytes: usize,
     /// Blocking calls up to this many bytes read their links on the calling thread
     /// (`PLAIT_CALLER_READ_BYTES`; 0 turns it off).
@@ -650,6 +659,10 @@ impl CommConfig {
             startup_timeout: None,
             give_up: None,
             algo: setting("PLAIT_ALGO"),
+            schedules: match setting("PLAIT_SCHEDULES") {
+                Some(spec) => crate::sched::custom::load(&spec)?,
+                None => Vec::new(),
+            },
             segment_bytes,
             caller_read_bytes,
             busy_poll,

@@ -85,7 +85,7 @@ struct Owner {
 /// algorithms run in the order `PLAIT_RING_ORDER` says.
 fn selector(cfg: &CommConfig, topology: Topology, links: Option<Arc<LinkMatrix>>) -> Result<Selector> {
     let overrides = match &cfg.algo {
-        Some(spec) => parse_algo_spec(spec)?,
+        Some(spec) => parse_algo_spec(spec, &cfg.schedules)?,
         None => Default::default(),
     };
     let order = match &cfg.ring_order {
@@ -94,7 +94,7 @@ fn selector(cfg: &CommConfig, topology: Topology, links: Option<Arc<LinkMatrix>>
         RingOrder::Measured => links.as_deref().filter(|m| m.n == cfg.size).map(|m| best_ring(m, cfg.segment_bytes as f64)),
     };
     let model = cfg.cost.apply(LinkModel { shared: topology != Topology::FullMesh, links, ..LinkModel::default() });
-    let selector = Selector::new(overrides, model, cfg.segment_bytes);
+    let selector = Selector::new(overrides, model, cfg.segment_bytes).with_custom(cfg.schedules.clone(), topology.name());
     Ok(match order {
         Some(order) => selector.with_ring_order(order),
         None => selector,

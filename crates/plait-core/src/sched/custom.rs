@@ -14,6 +14,7 @@ use super::{Collective, Schedule};
 use crate::error::PlaitError;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
+use std::sync::Arc;
 
 /// The `format` a schedule file may name.
 pub const FORMAT: &str = "plait.schedule";
@@ -67,6 +68,8 @@ impl When {
 /// A schedule read from a file, checked.
 #[derive(Clone, Debug, PartialEq)]
 pub struct CustomSchedule {
+    /// Where it came from (a path), for messages.
+    pub origin: String,
     pub schedule: Schedule,
     pub when: When,
     pub description: String,
@@ -125,7 +128,7 @@ pub fn read(text: &str, origin: &str) -> Result<CustomSchedule, PlaitError> {
         fail(format!("'{}' ({} for {} ranks) is wrong: {e}", schedule.name, schedule.collective, schedule.nranks))
     })?;
     let digest = digest(&schedule);
-    Ok(CustomSchedule { schedule, when, description, digest })
+    Ok(CustomSchedule { origin: origin.to_string(), schedule, when, description, digest })
 }
 
 fn check_name(s: &Schedule) -> Result<(), String> {
@@ -145,6 +148,63 @@ fn check_name(s: &Schedule) -> Result<(), String> {
         ));
     }
     Ok(())
+}
+
+/// The schedules `PLAIT_SCHEDULES` names: files, and directories (every `*.json` in them, in
+/// name order), separated by the platform's path-list separator (`:`, or `;` on Windows). Each
+/// is read and verified; two for the same collective, world size and root with one name are
+/// refused, naming both files.
+pub fn load(spec: &str) -> Result<Vec<Arc<CustomSchedule>>, PlaitError> {
+    let mut files = Vec::new();
+    for part in std::env::split_paths(spec).filter(|p| !p.as_os_str().is_empty()) {
+        let shown = part.display().to_string();
+        let meta = std::fs::metadata(&part)
+            .map_err(|e| PlaitError::Config(format!("PLAIT_SCHEDULES: {shown}: {e}")))?;
+        if meta.is_dir() {
+            let mut found: Vec<_> = std::fs::read_dir(&part)
+                .map_err(|e| PlaitError::Config(format!("PLAIT_SCHEDULES: {shown}: {e}")))?
+                .filter_map(|e| e.ok().map(|e| e.path()))
+                .filter(|p| p.extension().is_some_and(|x| x == "json"))
+                .collect();
+            found.sort();
+            files.extend(found);
+        } else {
+            files.push(part);
+        }
+    }
+    let mut out: Vec<Arc<CustomSchedule>> = Vec::new();
+    for f in files {
+        let shown = f.display().to_string();
+        let text = std::fs::read_to_string(&f)
+            .map_err(|e| PlaitError::Config(format!("PLAIT_SCHEDULES: {shown}: {e}")))?;
+        let c = parse(&text, &shown)?;
+        if let Some(other) = out.iter().find(|o| same_slot(&o.schedule, &c.schedule)) {
+            return Err(PlaitError::Config(format!(
+                "PLAIT_SCHEDULES: {shown} and {} both define {} '{}' for {} ranks (root {}): rename one",
+                other.origin, c.schedule.collective, c.schedule.name, c.schedule.nranks, c.schedule.root
+            )));
+        }
+        out.push(Arc::new(c));
+    }
+    Ok(out)
+}
+
+fn same_slot(a: &Schedule, b: &Schedule) -> bool {
+    a.name == b.name && a.collective == b.collective && a.nranks == b.nranks && a.root == b.root
+}
+
+/// One line that two ranks compare: equal exactly when their registries hold the same
+/// schedules (by collective, name, world size, root and digest).
+pub fn summary(list: &[Arc<CustomSchedule>]) -> String {
+    let mut items: Vec<String> = list
+        .iter()
+        .map(|c| {
+            let s = &c.schedule;
+            format!("{} {} n={} root={} {}", s.collective, s.name, s.nranks, s.root, c.digest)
+        })
+        .collect();
+    items.sort();
+    items.join("; ")
 }
 
 /// A short hash of everything that decides what the schedule does.

@@ -307,3 +307,118 @@ fn random_edits_of_valid_schedules_are_rejected_or_compute_the_right_result() {
     assert_eq!(rejected + accepted_right, total);
     assert!(total >= 8000, "{total}");
 }
+
+/// The mutants the verifier accepts, run by the real executor: ranks as threads over loopback,
+/// every mutant registered as a custom schedule and forced by name, chunks cut into several
+/// segments (the executor's pipelining), blocks of uneven sizes, out of place and in place.
+#[test]
+fn schedules_the_verifier_accepts_compute_the_right_result_on_the_executor() {
+    use crate::comm::Communicator;
+    use crate::sched::custom::{digest, CustomSchedule, When};
+    use crate::{CollRequest, CommConfig, DType, MemStore, RawBuf, ReduceOp};
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    let mut rng = Rng(0x2545f4914f6cdd1d);
+    let mut ran = 0;
+    for coll in [Collective::AllReduce, Collective::AllGather, Collective::ReduceScatter, Collective::AllToAll] {
+        for n in [3usize, 4] {
+            let mut accepted: Vec<Arc<CustomSchedule>> = Vec::new();
+            for &algo in algorithms(coll) {
+                let s = generate(coll, algo, n, 0).unwrap();
+                for _ in 0..150 {
+                    let Some((mut m, _)) = mutate(&s, &mut rng) else { continue };
+                    if verify(&m).is_err() {
+                        continue;
+                    }
+                    m.name = format!("m{}", accepted.len());
+                    let d = digest(&m);
+                    if accepted.iter().any(|c| c.digest == d) {
+                        continue;
+                    }
+                    accepted.push(Arc::new(CustomSchedule {
+                        origin: "mutant".into(),
+                        schedule: m,
+                        when: When::default(),
+                        description: String::new(),
+                        digest: d,
+                    }));
+                }
+            }
+            ran += accepted.len();
+            let names: Vec<String> = accepted.iter().map(|c| c.schedule.name.clone()).collect();
+            let store = Arc::new(MemStore::new());
+            let handles: Vec<_> = (0..n)
+                .map(|rank| {
+                    let (store, accepted, names) = (store.clone(), accepted.clone(), names.clone());
+                    std::thread::spawn(move || {
+                        let mut cfg = CommConfig::from_env(rank, n).unwrap();
+                        cfg.timeout = Duration::from_secs(20);
+                        cfg.segment_bytes = 1024; // several segments per chunk
+                        cfg.schedules = accepted;
+                        let comm = Communicator::new(&*store, cfg).unwrap();
+                        // 601 elements (2404 bytes, three segments) per block; an allreduce has one more.
+                        let per = 601usize;
+                        for name in &names {
+                            let value = |r: usize, e: usize| (r * 1000 + e) as f32;
+                            let (input, want): (Vec<f32>, Vec<f32>) = match coll {
+                                Collective::AllReduce => {
+                                    let len = per * n + 1;
+                                    ((0..len).map(|e| value(rank, e)).collect(), (0..len).map(|e| (0..n).map(|r| value(r, e)).sum()).collect())
+                                }
+                                Collective::AllGather => (
+                                    (0..per).map(|e| value(rank, e)).collect(),
+                                    (0..n).flat_map(|r| (0..per).map(move |e| value(r, e))).collect(),
+                                ),
+                                Collective::ReduceScatter => (
+                                    (0..per * n).map(|e| value(rank, e)).collect(),
+                                    (0..per).map(|e| (0..n).map(|r| value(r, rank * per + e)).sum()).collect(),
+                                ),
+                                _ => (
+                                    (0..per * n).map(|e| value(rank, e)).collect(),
+                                    (0..n).flat_map(|r| (0..per).map(move |e| value(r, rank * per + e))).collect(),
+                                ),
+                            };
+                            let mut input = input;
+                            let mut output = vec![f32::NAN; want.len()];
+                            let buf = |v: &mut Vec<f32>| RawBuf { ptr: v.as_mut_ptr() as *mut u8, len: v.len() * 4 };
+                            let req = CollRequest {
+                                coll,
+                                dtype: DType::F32,
+                                op: ReduceOp::Sum,
+                                root: 0,
+                                input: buf(&mut input),
+                                output: buf(&mut output),
+                                send_counts: None,
+                                recv_counts: None,
+                                timeout: None,
+                                algo: Some(name.clone()),
+                                wire: None,
+                            };
+                            // SAFETY: both buffers outlive the wait below.
+                            let w = unsafe { comm.collective(req, true) }.unwrap();
+                            w.wait(None).unwrap().unwrap();
+                            assert_eq!(output, want, "{coll} mutant {name} on rank {rank}");
+                            if coll == Collective::AllReduce {
+                                // In place: the input is the output.
+                                let mut both: Vec<f32> = (0..want.len()).map(|e| value(rank, e)).collect();
+                                let mut req = CollRequest::allreduce(buf(&mut both), DType::F32, ReduceOp::Sum);
+                                req.algo = Some(name.clone());
+                                // SAFETY: `both` outlives the wait below.
+                                let w = unsafe { comm.collective(req, true) }.unwrap();
+                                w.wait(None).unwrap().unwrap();
+                                assert_eq!(both, want, "{coll} mutant {name} in place on rank {rank}");
+                            }
+                        }
+                        comm.close();
+                    })
+                })
+                .collect();
+            for h in handles {
+                h.join().unwrap();
+            }
+        }
+    }
+    eprintln!("executor: {ran} accepted mutants ran and computed the right result");
+    assert!(ran >= 50, "{ran}");
+}

@@ -5,6 +5,7 @@
 //! the fixed order of [`algorithms`] with ties going to the earlier one.
 
 use super::cost::{estimate, LinkModel};
+use super::custom::CustomSchedule;
 use super::gen::{algorithms, generate, tree_schedule, unknown_algorithm};
 use super::order::{from_root, relabel, widest_tree};
 use super::verify::verify;
@@ -21,8 +22,8 @@ pub const ONESHOT_MAX_AUTO_RANKS: usize = 32;
 const MAX_DECISIONS: usize = 4096;
 
 /// Parses `PLAIT_ALGO` syntax: `allreduce:ring,allgather:direct` (whitespace and empty items
-/// are ignored).
-pub fn parse_algo_spec(spec: &str) -> Result<HashMap<Collective, String>, PlaitError> {
+/// are ignored). A name may be a built-in algorithm's or one of `custom`'s.
+pub fn parse_algo_spec(spec: &str, custom: &[Arc<CustomSchedule>]) -> Result<HashMap<Collective, String>, PlaitError> {
     let mut map = HashMap::new();
     for item in spec.split(',').map(str::trim).filter(|s| !s.is_empty()) {
         let Some((coll, algo)) = item.split_once(':') else {
@@ -38,9 +39,13 @@ pub fn parse_algo_spec(spec: &str) -> Result<HashMap<Collective, String>, PlaitE
                 names.join(", ")
             ))
         })?;
-        if !algorithms(c).contains(&algo) {
+        let is_custom = custom.iter().any(|x| x.schedule.collective == c && x.schedule.name == algo);
+        if !algorithms(c).contains(&algo) && !is_custom {
             let PlaitError::Config(msg) = unknown_algorithm(c, algo) else { unreachable!() };
-            return Err(PlaitError::Config(format!("PLAIT_ALGO: {msg}")));
+            let mine: Vec<&str> =
+                custom.iter().filter(|x| x.schedule.collective == c).map(|x| x.schedule.name.as_str()).collect();
+            let also = if mine.is_empty() { String::new() } else { format!("; custom: {}", mine.join(", ")) };
+            return Err(PlaitError::Config(format!("PLAIT_ALGO: {msg}{also}")));
         }
         map.insert(c, algo.to_string());
     }
@@ -59,6 +64,11 @@ pub struct Selector {
     ring_order: Option<Vec<usize>>,
     schedules: Mutex<HashMap<ScheduleKey, Arc<Schedule>>>,
     decisions: Mutex<HashMap<DecisionKey, Arc<Schedule>>>,
+    /// Users' schedules (`PLAIT_SCHEDULES`): candidates where their `when` covers a call, and
+    /// what `PLAIT_ALGO` or a call may name.
+    custom: Vec<Arc<CustomSchedule>>,
+    /// The mesh's class as `when.topology` names it (`shared`, `full_mesh`...).
+    topology: &'static str,
 }
 
 impl Selector {
@@ -74,7 +84,49 @@ impl Selector {
             ring_order: None,
             schedules: Mutex::new(HashMap::new()),
             decisions: Mutex::new(HashMap::new()),
+            custom: Vec::new(),
+            topology: "shared",
         }
+    }
+
+    /// Users' schedules join the candidates, on a mesh of class `topology`.
+    pub fn with_custom(mut self, custom: Vec<Arc<CustomSchedule>>, topology: &'static str) -> Self {
+        self.custom = custom;
+        self.topology = topology;
+        self
+    }
+
+    /// The custom schedule `name` of `coll` for `n` ranks (and `root`, if rooted), as the
+    /// executor takes it: its variant carries the file's digest, which goes into every call's
+    /// schedule id, so ranks running different files never pair up.
+    fn custom_schedule(&self, coll: Collective, name: &str, n: usize, root: usize) -> Option<Result<Arc<Schedule>, PlaitError>> {
+        let named: Vec<&Arc<CustomSchedule>> =
+            self.custom.iter().filter(|c| c.schedule.collective == coll && c.schedule.name == name).collect();
+        if named.is_empty() {
+            return None;
+        }
+        let fits = named.iter().find(|c| c.schedule.nranks == n && (!coll.rooted() || c.schedule.root == root));
+        Some(match fits {
+            Some(c) => {
+                let mut s = c.schedule.clone();
+                s.variant = format!("custom {}", c.digest);
+                Ok(Arc::new(s))
+            }
+            None => {
+                let have: Vec<String> = named
+                    .iter()
+                    .map(|c| {
+                        let root = if coll.rooted() { format!(", root {}", c.schedule.root) } else { String::new() };
+                        format!("{} ranks{root} ({})", c.schedule.nranks, c.origin)
+                    })
+                    .collect();
+                let want = if coll.rooted() { format!("{n} ranks, root {root}") } else { format!("{n} ranks") };
+                Err(PlaitError::Config(format!(
+                    "custom {coll} schedule '{name}' is for {}, not {want}",
+                    have.join(" and ")
+                )))
+            }
+        })
     }
 
     /// Ring algorithms run in `order` (a permutation of the ranks; the identity changes nothing).
@@ -101,6 +153,10 @@ impl Selector {
         let key = (coll, algo.to_string(), n, root);
         if let Some(s) = self.schedules.lock().get(&key) {
             return Ok(s.clone());
+        }
+        if let Some(custom) = self.custom_schedule(coll, algo, n, root) {
+            let s = custom?;
+            return Ok(self.schedules.lock().entry(key).or_insert(s).clone());
         }
         // Generated outside the lock: other collectives need not wait; a racing duplicate
         // generation is harmless (same result).
@@ -150,6 +206,20 @@ impl Selector {
                 best = Some((t, s));
             }
         }
+        // Users' schedules whose `when` covers the call: taken only when cheaper than every
+        // built-in (ties go to the built-in).
+        let bytes: u64 = block_bytes.iter().map(|&b| b as u64).sum();
+        for c in &self.custom {
+            let cs = &c.schedule;
+            if cs.collective != coll || cs.nranks != n || (coll.rooted() && cs.root != root) || !c.when.covers(bytes, self.topology) {
+                continue;
+            }
+            let s = self.schedule(coll, &cs.name, n, root)?;
+            let t = estimate(&s, block_bytes, &self.model, self.segment_bytes);
+            if best.as_ref().is_none_or(|(bt, _)| t < *bt) {
+                best = Some((t, s));
+            }
+        }
         let (_, s) = best.expect("every collective has at least one algorithm");
         let mut decisions = self.decisions.lock();
         if decisions.len() >= MAX_DECISIONS {
@@ -184,10 +254,19 @@ impl Selector {
         root: usize,
         block_bytes: &[usize],
     ) -> Vec<(String, f64)> {
+        let bytes: u64 = block_bytes.iter().map(|&b| b as u64).sum();
+        let custom = self
+            .custom
+            .iter()
+            .filter(|c| c.schedule.collective == coll && c.schedule.nranks == n && c.when.covers(bytes, self.topology))
+            .map(|c| c.schedule.name.clone());
         self.auto_candidates(coll, n)
+            .map(String::from)
+            .chain(custom)
             .filter_map(|algo| {
-                let s = self.schedule(coll, algo, n, root).ok()?;
-                Some((algo.to_string(), estimate(&s, block_bytes, &self.model, self.segment_bytes)))
+                let s = self.schedule(coll, &algo, n, root).ok()?;
+                let t = estimate(&s, block_bytes, &self.model, self.segment_bytes);
+                Some((algo, t))
             })
             .collect()
     }
@@ -216,24 +295,28 @@ fn follows_ring_order(coll: Collective, algo: &str) -> bool {
 mod tests {
     use super::*;
 
+    fn parse_algo_spec_builtin(spec: &str) -> Result<HashMap<Collective, String>, PlaitError> {
+        parse_algo_spec(spec, &[])
+    }
+
     #[test]
     fn parse_spec() {
-        assert!(parse_algo_spec("").unwrap().is_empty());
-        assert!(parse_algo_spec(" , ").unwrap().is_empty());
-        let m = parse_algo_spec("allreduce:ring, allgather:direct").unwrap();
+        assert!(parse_algo_spec_builtin("").unwrap().is_empty());
+        assert!(parse_algo_spec_builtin(" , ").unwrap().is_empty());
+        let m = parse_algo_spec_builtin("allreduce:ring, allgather:direct").unwrap();
         assert_eq!(m.len(), 2);
         assert_eq!(m[&Collective::AllReduce], "ring");
         assert_eq!(m[&Collective::AllGather], "direct");
-        let e = parse_algo_spec("allreduce:nope").unwrap_err().to_string();
+        let e = parse_algo_spec_builtin("allreduce:nope").unwrap_err().to_string();
         assert!(e.contains("'nope'") && e.contains("ring, direct, oneshot, rhd, ring2"), "{e}");
-        let e = parse_algo_spec("allredux:ring").unwrap_err().to_string();
+        let e = parse_algo_spec_builtin("allredux:ring").unwrap_err().to_string();
         assert!(e.contains("'allredux'") && e.contains("reduce_scatter"), "{e}");
-        assert!(matches!(parse_algo_spec("allreduce"), Err(PlaitError::Config(_))));
+        assert!(matches!(parse_algo_spec_builtin("allreduce"), Err(PlaitError::Config(_))));
     }
 
     #[test]
     fn overrides_and_cache() {
-        let env = parse_algo_spec("allreduce:direct").unwrap();
+        let env = parse_algo_spec_builtin("allreduce:direct").unwrap();
         let sel = Selector::new(env, LinkModel::default(), 1 << 20);
         let blocks = [1usize; 4];
         let s = sel.choose(Collective::AllReduce, 4, 0, &blocks, None).unwrap();
@@ -245,6 +328,31 @@ mod tests {
         let b = sel.choose(Collective::Broadcast, 4, 1, &blocks, Some("chain")).unwrap();
         assert!(Arc::ptr_eq(&a, &b));
         assert_eq!(a.root, 1);
+    }
+
+    #[test]
+    fn a_custom_schedule_is_a_candidate_where_its_when_covers_the_call_and_loses_ties() {
+        use crate::sched::custom::{digest, CustomSchedule, When};
+        let mut s = generate(Collective::AllGather, "direct", 4, 0).unwrap();
+        s.name = "mine".into();
+        let when = When { min_bytes: Some(4096), max_bytes: Some(1 << 20), topology: Some("shared".into()) };
+        let c = Arc::new(CustomSchedule { origin: "t".into(), digest: digest(&s), schedule: s, when, description: String::new() });
+        let sel = Selector::new(HashMap::new(), LinkModel::default(), 1 << 20).with_custom(vec![c.clone()], "shared");
+        let names = |bytes: usize| -> Vec<String> {
+            sel.candidates(Collective::AllGather, 4, 0, &[bytes / 4; 4]).into_iter().map(|c| c.0).collect()
+        };
+        assert!(names(64 << 10).contains(&"mine".to_string()));
+        assert!(!names(1024).contains(&"mine".to_string()), "below min_bytes");
+        assert!(!names(4 << 20).contains(&"mine".to_string()), "above max_bytes");
+        // As cheap as the built-in it copies: the built-in keeps the call.
+        let chosen = sel.choose(Collective::AllGather, 4, 0, &[16 << 10; 4], None).unwrap();
+        assert_eq!(chosen.name, "direct");
+        // Forced, it runs under its digest, so ranks with other files never pair with it.
+        let forced = sel.choose(Collective::AllGather, 4, 0, &[16 << 10; 4], Some("mine")).unwrap();
+        assert_eq!(forced.label(), format!("mine (custom {})", c.digest));
+        // On another class of mesh it is no candidate.
+        let mesh = Selector::new(HashMap::new(), LinkModel::default(), 1 << 20).with_custom(vec![c], "full_mesh");
+        assert!(mesh.candidates(Collective::AllGather, 4, 0, &[16 << 10; 4]).iter().all(|c| c.0 != "mine"));
     }
 
     #[test]
