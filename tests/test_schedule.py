@@ -118,6 +118,32 @@ def test_the_compiler_places_each_operation_in_the_first_step_its_data_allows():
     assert [len(s.get("sends", [])) for s in ranks[1]] == [0, 0, 3]
 
 
+def test_reductions_into_a_chunk_that_shares_memory_in_place_compile_right_both_ways():
+    # A receive reduced with the destination's in-place partner is a plain write out of place:
+    # it must not share a step with the accumulation that follows (review finding).
+    p = Program("reduce_scatter", 3, name="partner_base")
+    for q in range(3):
+        o0, o1 = [r for r in range(3) if r != q]
+        p.input(o0, q).copy(p.output(q, 0), reduce_with=p.input(q, q))
+        p.output(q, 0).reduce(p.input(o1, q))
+    p.check()
+
+
+@pytest.mark.parametrize("order", ["scratch_into_input", "input_into_scratch"])
+def test_local_reductions_with_an_in_place_partner_compile_right_both_ways(order):
+    # dst = base (+) src, local, where base or src is dst's partner (review findings).
+    p = Program("allreduce", 2, name="local_forms")
+    for b in range(2):
+        other = 1 - b
+        p.input(other, b).copy(p.scratch(b, b))
+        if order == "scratch_into_input":
+            p.scratch(b, b).copy(p.output(b, b), reduce_with=p.input(b, b))
+        else:
+            p.input(b, b).copy(p.output(b, b), reduce_with=p.scratch(b, b))
+        p.output(b, b).copy(p.output(other, b))
+    p.check()
+
+
 def test_a_wrong_program_is_refused_naming_what_never_arrives():
     p = Program("allgather", 3, name="forgetful")
     for r in range(3):

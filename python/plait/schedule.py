@@ -169,12 +169,12 @@ class Program:
         def st(k) -> State:
             return state.setdefault(k if isinstance(k, tuple) else key(k), State())
 
-        def written(dst: Chunk, src: Chunk) -> List[State]:
+        def written(dst: Chunk, src: Chunk, base: Optional[Chunk]) -> List[State]:
             """The states a write of `dst` must be ordered after: its own, and in place its
-            partner's (unless it copies the partner onto itself, a no-op in place)."""
+            partner's (unless it plainly copies the partner onto itself, a no-op in place)."""
             out = [st(dst)]
             p = partner(dst)
-            if p is not None and p != key(src):
+            if p is not None and not (base is None and p == key(src)):
                 out.append(st(p))
             return out
 
@@ -187,9 +187,11 @@ class Program:
 
         for src, dst, base in self._ops:
             s = st(src)
-            ws = written(dst, src)
+            ws = written(dst, src, base)
             if src.rank != dst.rank:
-                accumulate = base is not None and key(base) in (key(dst), partner(dst))
+                # Only a base that is the destination itself accumulates: one that shares its
+                # memory in place only is a separate chunk out of place.
+                accumulate = base is not None and key(base) == key(dst)
                 k = s.w + 1
                 for x in ws:
                     k = max(k, x.rt + 1, x.rl + 1, x.acc if accumulate and x.acc == x.w else x.w + 1)
@@ -214,10 +216,15 @@ class Program:
                 ops = step(dst.rank, k)["locals"]
                 if base is None:
                     ops.append({"copy": {"src": src._ref(), "dst": dst._ref()}})
-                else:
-                    if key(base) not in (key(dst), partner(dst)):
-                        ops.append({"copy": {"src": base._ref(), "dst": dst._ref()}})
+                elif key(base) == key(dst):
                     ops.append({"reduce": {"src": src._ref(), "dst": dst._ref()}})
+                else:
+                    # dst = base (+) src as a copy, then a reduction. Copy first the operand that
+                    # is dst's own memory in place (a no-op there), or it would be overwritten
+                    # before it is read.
+                    first, second = (src, base) if key(src) == partner(dst) else (base, src)
+                    ops.append({"copy": {"src": first._ref(), "dst": dst._ref()}})
+                    ops.append({"reduce": {"src": second._ref(), "dst": dst._ref()}})
                 for r in reads:
                     r.rl = max(r.rl, k)
                 for x in ws:

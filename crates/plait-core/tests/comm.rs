@@ -43,8 +43,13 @@ fn f32_buf(v: &mut [f32]) -> RawBuf {
 }
 
 fn allreduce(comm: &Arc<Communicator>, input: &mut [f32], output: &mut [f32], algo: Option<&str>) -> Result<(), PlaitError> {
+    collective(comm, Collective::AllReduce, input, output, algo)
+}
+
+/// A blocking f32 sum `coll` over `input` and `output` (each rank's own buffers).
+fn collective(comm: &Arc<Communicator>, coll: Collective, input: &mut [f32], output: &mut [f32], algo: Option<&str>) -> Result<(), PlaitError> {
     let req = CollRequest {
-        coll: Collective::AllReduce,
+        coll,
         dtype: DType::F32,
         op: ReduceOp::Sum,
         root: 0,
@@ -671,21 +676,7 @@ fn custom_allgather(n: usize, name: &str) -> Arc<plait_core::CustomSchedule> {
 }
 
 fn allgather(comm: &Arc<Communicator>, input: &mut [f32], output: &mut [f32], algo: Option<&str>) -> Result<(), PlaitError> {
-    let req = CollRequest {
-        coll: Collective::AllGather,
-        dtype: DType::F32,
-        op: ReduceOp::Sum,
-        root: 0,
-        input: f32_buf(input),
-        output: f32_buf(output),
-        send_counts: None,
-        recv_counts: None,
-        timeout: None,
-        algo: algo.map(String::from),
-        wire: None,
-    };
-    // SAFETY: both buffers outlive the wait.
-    unsafe { comm.collective(req, true) }?.wait(None).unwrap().map(|_| ())
+    collective(comm, Collective::AllGather, input, output, algo)
 }
 
 #[test]

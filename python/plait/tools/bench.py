@@ -110,6 +110,8 @@ def check_args(parser: argparse.ArgumentParser, args) -> None:
         parser.error(f"--timeout {args.timeout:g} must be above 0 seconds")
     if not [b for b in args.backend.split(",") if b.strip()]:
         parser.error(f"--backend {args.backend!r}: name at least one backend, e.g. plait,gloo")
+    if args.op == "sendrecv" and any(b.strip().startswith("plait:") for b in args.backend.split(",")):
+        parser.error("--backend plait:ALGO forces a collective's algorithm; --op sendrecv has none")
 
 
 # ---------------------------------------------------------------- rank side

@@ -54,6 +54,8 @@ def small_allreduce(g, t, opts):
         w = g.comm.collective("allreduce", p, nbytes, p, nbytes, dt, op, timeout=g.op_timeout(opts.timeout), inline=True,
                               wire=wire)
         started = True
+        if rec is not None:
+            trace.running(rec)
         w.wait()  # inline: complete already; raises the operation's error
     except PlaitError as e:
         err = torch_error(e, g.context())

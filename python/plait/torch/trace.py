@@ -97,9 +97,16 @@ def started(e, work):
         end(e, work._error)
 
 
+def running(e):
+    """Entry `e`'s operation has started and runs on the calling thread (a small blocking call);
+    `done` or `end` ends it."""
+    e[_STARTED] = time.time_ns()
+    e[_STATE] = "started"
+
+
 def done(e):
-    """Entry `e` ran to completion on the calling thread (a small blocking call)."""
-    e[_STARTED] = e[_ENDED] = time.time_ns()
+    """Entry `e`, started by `running`, completed."""
+    e[_ENDED] = time.time_ns()
     e[_STATE] = "completed"
 
 

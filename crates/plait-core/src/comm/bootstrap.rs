@@ -361,7 +361,7 @@ fn check_alike_choices(cfg: &CommConfig, infos: &[PeerInfo]) -> Result<()> {
     if let Some(info) = infos.iter().find(|i| i.schedules != mine) {
         let shown = |s: &str| if s.is_empty() { "none".to_string() } else { s.to_string() };
         return Err(PlaitError::Config(format!(
-            "PLAIT_SCHEDULES: this rank ({}) holds [{}] and rank {} ({}) holds [{}]: the ranks would choose or run different algorithms; give every rank the same schedule files",
+            "custom schedules (PLAIT_SCHEDULES, or schedules=): this rank ({}) holds [{}] and rank {} ({}) holds [{}]: the ranks would choose or run different algorithms; give every rank the same schedule files",
             cfg.rank, shown(&mine), info.rank, info.host, shown(&info.schedules)
         )));
     }

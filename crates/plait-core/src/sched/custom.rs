@@ -124,6 +124,9 @@ pub fn read(text: &str, origin: &str) -> Result<CustomSchedule, PlaitError> {
     }
     let schedule: Schedule =
         serde_json::from_value(Value::Object(fields)).map_err(|e| fail(format!("{e}")))?;
+    if !schedule.collective.rooted() && schedule.root != 0 {
+        return Err(fail(format!("\"root\" is {}, but {} has no root: leave it out", schedule.root, schedule.collective)));
+    }
     verify(&schedule).map_err(|e| {
         fail(format!("'{}' ({} for {} ranks) is wrong: {e}", schedule.name, schedule.collective, schedule.nranks))
     })?;
@@ -194,13 +197,26 @@ fn same_slot(a: &Schedule, b: &Schedule) -> bool {
 }
 
 /// One line that two ranks compare: equal exactly when their registries hold the same
-/// schedules (by collective, name, world size, root and digest).
+/// schedules (by collective, name, world size, root, digest and `when` block: ranks whose
+/// blocks differ would choose differently).
 pub fn summary(list: &[Arc<CustomSchedule>]) -> String {
     let mut items: Vec<String> = list
         .iter()
         .map(|c| {
             let s = &c.schedule;
-            format!("{} {} n={} root={} {}", s.collective, s.name, s.nranks, s.root, c.digest)
+            let w = &c.when;
+            let bound = |b: Option<u64>| b.map_or("-".to_string(), |b| b.to_string());
+            format!(
+                "{} {} n={} root={} {} when={}..{}/{}",
+                s.collective,
+                s.name,
+                s.nranks,
+                s.root,
+                c.digest,
+                bound(w.min_bytes),
+                bound(w.max_bytes),
+                w.topology.as_deref().unwrap_or("any")
+            )
         })
         .collect();
     items.sort();
@@ -349,6 +365,19 @@ mod tests {
         broken.ranks[1][0].sends.clear();
         let e = err(&to_file(&broken, None, ""));
         assert!(e.contains("'mine' (allgather for 3 ranks) is wrong") && e.contains("no matching send"), "{e}");
+    }
+
+    #[test]
+    fn ranks_compare_the_when_block_too_and_unrooted_files_have_no_root() {
+        let mut s = generate(Collective::AllGather, "ring", 3, 0).unwrap();
+        s.name = "mine".into();
+        let a = Arc::new(parse(&to_file(&s, None, ""), "a").unwrap());
+        let w = When { max_bytes: Some(4096), ..When::default() };
+        let b = Arc::new(parse(&to_file(&s, Some(&w), ""), "b").unwrap());
+        assert_eq!(a.digest, b.digest);
+        assert_ne!(summary(&[a]), summary(&[b]), "ranks whose when blocks differ choose differently");
+        let e = parse(&to_file(&s, None, "").replace("\"root\": 0", "\"root\": 2"), "r").unwrap_err().to_string();
+        assert!(e.contains("allgather has no root"), "{e}");
     }
 
     #[test]

@@ -190,8 +190,16 @@ impl Selector {
         block_bytes: &[usize],
         algo_override: Option<&str>,
     ) -> Result<Arc<Schedule>, PlaitError> {
-        if let Some(algo) = algo_override.or(self.overrides.get(&coll).map(String::as_str)) {
+        if let Some(algo) = algo_override {
             return self.schedule(coll, algo, n, root);
+        }
+        if let Some(algo) = self.overrides.get(&coll) {
+            // A communicator-wide choice of a custom schedule holds where the schedule fits;
+            // subgroups and views of other sizes (which inherit the setting) choose as usual.
+            let fits_elsewhere = self.custom_schedule(coll, algo, n, root).is_some_and(|r| r.is_err());
+            if !fits_elsewhere {
+                return self.schedule(coll, algo, n, root);
+            }
         }
         let root = if coll.rooted() { root } else { 0 };
         let key = (coll, n, root, block_bytes.to_vec());
@@ -353,6 +361,23 @@ mod tests {
         // On another class of mesh it is no candidate.
         let mesh = Selector::new(HashMap::new(), LinkModel::default(), 1 << 20).with_custom(vec![c], "full_mesh");
         assert!(mesh.candidates(Collective::AllGather, 4, 0, &[16 << 10; 4]).iter().all(|c| c.0 != "mine"));
+    }
+
+    #[test]
+    fn a_custom_schedule_forced_for_the_communicator_leaves_other_world_sizes_to_the_cost_model() {
+        use crate::sched::custom::{digest, CustomSchedule, When};
+        let mut s = generate(Collective::AllGather, "direct", 4, 0).unwrap();
+        s.name = "mine".into();
+        let c = Arc::new(CustomSchedule { origin: "t".into(), digest: digest(&s), schedule: s, when: When::default(), description: String::new() });
+        let env = parse_algo_spec("allgather:mine", std::slice::from_ref(&c)).unwrap();
+        let sel = Selector::new(env, LinkModel::default(), 1 << 20).with_custom(vec![c], "shared");
+        assert_eq!(sel.choose(Collective::AllGather, 4, 0, &[64; 4], None).unwrap().name, "mine");
+        // A subgroup of 2 (same setting) chooses a built-in rather than failing every call ...
+        let two = sel.choose(Collective::AllGather, 2, 0, &[64; 2], None).unwrap();
+        assert!(algorithms(Collective::AllGather).contains(&two.name.as_str()), "{}", two.name);
+        // ... but a call that names it for 2 ranks is told why not.
+        let e = sel.choose(Collective::AllGather, 2, 0, &[64; 2], Some("mine")).unwrap_err().to_string();
+        assert!(e.contains("is for 4 ranks (t), not 2 ranks"), "{e}");
     }
 
     #[test]
