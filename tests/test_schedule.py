@@ -184,8 +184,7 @@ def _schema_validator():
 def test_every_built_in_file_and_compiled_program_follows_the_json_schema():
     v = _schema_validator()
     n = 4
-    for coll in _core.COLLECTIVES if isinstance(_core.COLLECTIVES, (list, tuple)) else S.COLLECTIVES:
-        name = coll if isinstance(coll, str) else coll["name"]
+    for name in S.COLLECTIVES:
         for algo in _core.algorithms(name):
             doc = json.loads(S.builtin(name, algo, n, root=1))
             errors = list(v.iter_errors(doc))

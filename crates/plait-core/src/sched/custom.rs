@@ -234,7 +234,6 @@ pub fn digest(s: &Schedule) -> String {
 /// except that each step stays on one line, so a schedule of many small steps reads step by
 /// step, rank by rank.
 pub fn to_file(s: &Schedule, when: Option<&When>, description: &str) -> String {
-    let json = |v: &dyn erased::Json| v.text();
     let mut head: Vec<(&str, String)> = vec![("format", json(&FORMAT)), ("version", json(&VERSION))];
     if !description.is_empty() {
         head.push(("description", json(&description)));
@@ -267,16 +266,9 @@ pub fn to_file(s: &Schedule, when: Option<&When>, description: &str) -> String {
     out
 }
 
-mod erased {
-    /// Anything serde can write, as one line of JSON (struct fields in declaration order).
-    pub trait Json {
-        fn text(&self) -> String;
-    }
-    impl<T: serde::Serialize + ?Sized> Json for T {
-        fn text(&self) -> String {
-            serde_json::to_string(self).expect("serialises")
-        }
-    }
+/// Anything serde can write, as one line of JSON (struct fields in declaration order).
+fn json<T: Serialize + ?Sized>(v: &T) -> String {
+    serde_json::to_string(v).expect("serialises")
 }
 
 /// A built-in algorithm's schedule (rank order, no measured links) as a version-1 file named

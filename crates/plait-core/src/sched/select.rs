@@ -96,37 +96,27 @@ impl Selector {
         self
     }
 
-    /// The custom schedule `name` of `coll` for `n` ranks (and `root`, if rooted), as the
-    /// executor takes it: its variant carries the file's digest, which goes into every call's
-    /// schedule id, so ranks running different files never pair up.
-    fn custom_schedule(&self, coll: Collective, name: &str, n: usize, root: usize) -> Option<Result<Arc<Schedule>, PlaitError>> {
-        let named: Vec<&Arc<CustomSchedule>> =
-            self.custom.iter().filter(|c| c.schedule.collective == coll && c.schedule.name == name).collect();
-        if named.is_empty() {
-            return None;
-        }
-        let fits = named.iter().find(|c| c.schedule.nranks == n && (!coll.rooted() || c.schedule.root == root));
-        Some(match fits {
-            Some(c) => {
-                let mut s = c.schedule.clone();
-                s.variant = format!("custom {}", c.digest);
-                Ok(Arc::new(s))
-            }
-            None => {
-                let have: Vec<String> = named
-                    .iter()
-                    .map(|c| {
-                        let root = if coll.rooted() { format!(", root {}", c.schedule.root) } else { String::new() };
-                        format!("{} ranks{root} ({})", c.schedule.nranks, c.origin)
-                    })
-                    .collect();
-                let want = if coll.rooted() { format!("{n} ranks, root {root}") } else { format!("{n} ranks") };
-                Err(PlaitError::Config(format!(
-                    "custom {coll} schedule '{name}' is for {}, not {want}",
-                    have.join(" and ")
-                )))
-            }
-        })
+    /// The custom schedule `name` of `coll` for `n` ranks (and `root`, if rooted): None when no
+    /// custom schedule has that name, Some(None) when none of that name fits this call.
+    fn custom_fit(&self, coll: Collective, name: &str, n: usize, root: usize) -> Option<Option<&Arc<CustomSchedule>>> {
+        let mut named = self.custom.iter().filter(|c| c.schedule.collective == coll && c.schedule.name == name).peekable();
+        named.peek()?;
+        Some(named.find(|c| c.schedule.nranks == n && (!coll.rooted() || c.schedule.root == root)))
+    }
+
+    /// Why no custom schedule `name` fits a call of `n` ranks (and `root`): the sizes it has.
+    fn custom_misfit(&self, coll: Collective, name: &str, n: usize, root: usize) -> PlaitError {
+        let have: Vec<String> = self
+            .custom
+            .iter()
+            .filter(|c| c.schedule.collective == coll && c.schedule.name == name)
+            .map(|c| {
+                let root = if coll.rooted() { format!(", root {}", c.schedule.root) } else { String::new() };
+                format!("{} ranks{root} ({})", c.schedule.nranks, c.origin)
+            })
+            .collect();
+        let want = if coll.rooted() { format!("{n} ranks, root {root}") } else { format!("{n} ranks") };
+        PlaitError::Config(format!("custom {coll} schedule '{name}' is for {}, not {want}", have.join(" and ")))
     }
 
     /// Ring algorithms run in `order` (a permutation of the ranks; the identity changes nothing).
@@ -154,9 +144,13 @@ impl Selector {
         if let Some(s) = self.schedules.lock().get(&key) {
             return Ok(s.clone());
         }
-        if let Some(custom) = self.custom_schedule(coll, algo, n, root) {
-            let s = custom?;
-            return Ok(self.schedules.lock().entry(key).or_insert(s).clone());
+        if let Some(fit) = self.custom_fit(coll, algo, n, root) {
+            let c = fit.ok_or_else(|| self.custom_misfit(coll, algo, n, root))?;
+            // Its variant carries the file's digest, which goes into every call's schedule id,
+            // so ranks running different files never pair up.
+            let mut s = c.schedule.clone();
+            s.variant = format!("custom {}", c.digest);
+            return Ok(self.schedules.lock().entry(key).or_insert(Arc::new(s)).clone());
         }
         // Generated outside the lock: other collectives need not wait; a racing duplicate
         // generation is harmless (same result).
@@ -196,7 +190,7 @@ impl Selector {
         if let Some(algo) = self.overrides.get(&coll) {
             // A communicator-wide choice of a custom schedule holds where the schedule fits;
             // subgroups and views of other sizes (which inherit the setting) choose as usual.
-            let fits_elsewhere = self.custom_schedule(coll, algo, n, root).is_some_and(|r| r.is_err());
+            let fits_elsewhere = matches!(self.custom_fit(coll, algo, n, root), Some(None));
             if !fits_elsewhere {
                 return self.schedule(coll, algo, n, root);
             }
