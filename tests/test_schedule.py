@@ -279,3 +279,44 @@ def test_a_broken_registered_schedule_fails_the_communicator_naming_the_file(tmp
     with pytest.raises(_core.ConfigError, match=r"b\.json and .*a\.json both define allgather 'dup'"):
         _core.Comm(None, 0, 2, schedules=str(tmp_path))
     assert S.paths_setting([tmp_path / "a.json", "x"]) == os.pathsep.join([str(tmp_path / "a.json"), "x"])
+
+
+HIER = ROOT / "examples" / "schedules" / "hier_allreduce.py"
+
+
+def test_the_hierarchical_example_file_is_its_program_compiled_and_sends_the_cable_the_least():
+    text = (ROOT / "examples" / "schedules" / "hier_allreduce.json").read_text()
+    assert text == _module(HIER).build(4).to_json(), "recompile: plait schedule compile " \
+        "examples/schedules/hier_allreduce.py --nranks 4 -o examples/schedules/hier_allreduce.json"
+    # Host of rank r: r // 2. Bytes each host sends the other, in blocks of the 4-block layout.
+    for n in (4, 6, 8):
+        doc = json.loads(_module(HIER).build(n).to_json())
+        k = n // 2
+        across = sum(1 for r, prog in enumerate(doc["ranks"]) for st in prog for op in st.get("sends", [])
+                     if r // k == 0 and op["peer"] // k == 1)
+        assert across == n  # every block once: the whole buffer, the least two hosts can exchange
+        ring = json.loads(S.builtin("allreduce", "ring", n))
+        assert sum(1 for r, prog in enumerate(ring["ranks"]) for st in prog for op in st.get("sends", [])
+                   if r // k == 0 and op["peer"] // k == 1) == 2 * (n - 1)
+
+
+def test_plait_schedule_compile_writes_verified_files(tmp_path):
+    out = tmp_path / "h.json"
+    r = _plait("schedule", "compile", str(HIER), "--nranks", "4", "-o", str(out))
+    assert r.returncode == 0, r.stderr
+    assert json.loads(out.read_text())["nranks"] == 4 and "digest" in r.stderr
+    r = _plait("schedule", "compile", str(HIER), "--nranks", "4,6", "-o", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    assert sorted(p.name for p in tmp_path.glob("hier_allreduce-*.json")) == ["hier_allreduce-4.json",
+                                                                               "hier_allreduce-6.json"]
+    r = _plait("schedule", "compile", str(HIER), "--nranks", "4,6", "-o", str(out))
+    assert r.returncode == 1 and "existing directory" in r.stderr
+    r = _plait("schedule", "compile", str(HIER), "--nranks", "3")
+    assert r.returncode != 0 and "even number of ranks" in r.stderr
+
+
+def test_plait_schedule_bench_under_a_launcher_is_one_of_its_ranks():
+    env = dict(os.environ, RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
+    r = subprocess.run(CLI + ["schedule", "bench", str(HIER), "--nranks", "4", "--no-gloo"], capture_output=True,
+                       text=True, timeout=120, env=env)
+    assert r.returncode == 1 and "launcher started 2 ranks" in r.stderr, r.stderr

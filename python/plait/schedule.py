@@ -314,7 +314,11 @@ def load(path: str, nranks: Optional[int] = None) -> Tuple[str, str]:
         build = getattr(mod, "build", None)
         if build is None:
             raise ScheduleError(f"{path}: a program file must define build(nranks) returning a plait.schedule.Program")
-        prog = build(nranks)
+        try:
+            prog = build(nranks)
+        except (ValueError, ScheduleError) as e:
+            # A program may refuse a size it is not written for; say so without a traceback.
+            raise ScheduleError(f"{path}: build({nranks}): {e}") from e
         if not isinstance(prog, Program):
             raise ScheduleError(f"{path}: build({nranks}) returned {type(prog).__name__}, not a Program")
         return prog.to_json(), f"{os.path.basename(path)} (nranks={nranks})"

@@ -19,11 +19,15 @@ def _testbed_parsers(sub):
     down.add_argument("--name", default="plaitbed")
     down.add_argument("--force", action="store_true",
                       help="also remove namespaces named like this testbed's when no state was recorded")
-    run = tsub.add_parser("run", help="run a command once per node (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set)",
+    run = tsub.add_parser("run", help="run a command once per node, or K times with --nproc-per-node K (RANK, "
+                          "WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT set)",
                           description="Runs CMD once per node of a testbed that is up; with --nodes, builds a "
                           "testbed for this run and removes it afterwards.")
     run.add_argument("--nodes", type=int, help="build a testbed of this many nodes for this run only")
     _common_build(run)
+    run.add_argument("--nproc-per-node", type=int, default=1, metavar="K",
+                     help="processes per node, numbered as torchrun does: node i runs ranks i*K .. i*K+K-1, which "
+                     "reach each other over the node's own loopback and the other nodes over its cables (default 1)")
     run.add_argument("--timeout", type=float, default=600.0, help="seconds before every rank is killed (default 600)")
     run.add_argument("--grace", type=float, default=10.0,
                      help="seconds the other ranks get after one fails, before they are killed (default 10)")
@@ -206,6 +210,8 @@ def _testbed(args, parser):
             cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
             if not cmd:
                 parser.error("testbed run: give the command after --, e.g. plait testbed run -- plait doctor")
+            if args.nproc_per_node < 1:
+                parser.error("testbed run: --nproc-per-node must be at least 1")
             env = {}
             for kv in args.env:
                 if "=" not in kv:
@@ -214,10 +220,10 @@ def _testbed(args, parser):
                 env[k] = v
             if args.nodes:
                 with T.Testbed(args.nodes, **_build_kwargs(args)) as tb:
-                    res = tb.run(cmd, timeout=args.timeout, env=env, grace=args.grace)
+                    res = tb.run(cmd, timeout=args.timeout, env=env, grace=args.grace, per_node=args.nproc_per_node)
             else:
                 tb = T.Testbed.attach(args.name)
-                res = tb.run(cmd, timeout=args.timeout, env=env, grace=args.grace)
+                res = tb.run(cmd, timeout=args.timeout, env=env, grace=args.grace, per_node=args.nproc_per_node)
             if not res.ok:
                 bad = [f"rank {r}: {'killed' if c is not None and c < 0 else f'exit {c}'}"
                        for r, c in enumerate(res.returncodes) if c]

@@ -28,6 +28,10 @@ def add_arguments(p):
     show = sub.add_parser("show", help="draw a schedule: ranks as rows, steps as time, arrows for transfers")
     _file_args(show)
     show.add_argument("-o", "--output", required=True, help="the picture: .svg, .png or .pdf (needs matplotlib)")
+    comp = sub.add_parser("compile", help="write a program's schedule file (.json) for PLAIT_SCHEDULES, verified first")
+    _file_args(comp)
+    comp.add_argument("-o", "--output", default="-",
+                      help="the file (default: stdout), or an existing directory, where each size is NAME-N.json")
     sim = sub.add_parser("simulate", help="the cost model's predicted time per size, next to the built-in algorithms")
     _file_args(sim)
     sim.add_argument("--sizes", default=DEFAULT_SIZES, help=f"call sizes, whole layout in bytes (default {DEFAULT_SIZES})")
@@ -111,6 +115,8 @@ def main(args):
         sources = _sources(args)
         if cmd == "check":
             return _check(sources, args)
+        if cmd == "compile":
+            return _compile(sources, args)
         if cmd == "show":
             return _show(sources, args)
         if cmd == "simulate":
@@ -142,6 +148,25 @@ def _check(sources, args):
     if args.json:
         write_json(args.json, {"results": results})
     return 1 if failed else 0
+
+
+def _compile(sources, args):
+    from .. import schedule as S
+
+    into_dir = args.output != "-" and os.path.isdir(args.output)
+    if len(sources) > 1 and not into_dir:
+        raise S.ScheduleError(f"{len(sources)} world sizes make {len(sources)} files: give -o an existing directory")
+    for text, origin, custom in sources:
+        facts = S.check(text, origin, custom)
+        if args.output == "-":
+            sys.stdout.write(text)
+            continue
+        path = os.path.join(args.output, f"{facts['name']}-{facts['nranks']}.json") if into_dir else args.output
+        with open(path, "w") as f:
+            f.write(text)
+        print(f"{path}: {facts['collective']} {facts['name']} for {facts['nranks']} ranks, {facts['steps']} steps, "
+              f"digest {facts['digest']}", file=sys.stderr)
+    return 0
 
 
 def _show(sources, args):
@@ -242,6 +267,19 @@ def _simulate(sources, args, core):
     return 0
 
 
+def _where(n):
+    """bench's arguments for where the ranks run: under a launcher (torchrun, `plait testbed run`)
+    this process is one of them, on the real links; otherwise bench starts n on loopback."""
+    from .. import schedule as S
+
+    if not all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
+        return ["--nproc", str(n)]
+    if int(os.environ["WORLD_SIZE"]) != n:
+        raise S.ScheduleError(f"the launcher started {os.environ['WORLD_SIZE']} ranks (WORLD_SIZE) and the schedule "
+                              f"is for {n}: launch {n}, or give --nranks {os.environ['WORLD_SIZE']}")
+    return []
+
+
 _BENCH_OPS = ("allreduce", "allgather", "reduce_scatter", "broadcast", "alltoall")
 
 
@@ -269,7 +307,7 @@ def _bench(sources, args, core):
             backends.insert(0, f"plait:{name}")
         if not args.no_gloo:
             backends.append("gloo")
-        cmd = [sys.executable, "-m", "plait.tools.cli", "bench", "--op", coll, "--nproc", str(n),
+        cmd = [sys.executable, "-m", "plait.tools.cli", "bench", "--op", coll] + _where(n) + [
                "--backend", ",".join(backends), "-b", args.minbytes, "-e", args.maxbytes, "-f", args.stepfactor,
                "-n", args.iters, "-w", args.warmup]
         if custom:

@@ -541,11 +541,15 @@ class Testbed:
         return tb
 
     # -- running commands ----------------------------------------------------------------------------
-    def env(self, i, master_port, extra=None):
+    def env(self, rank, master_port, extra=None, per_node=1):
+        """torchrun's environment for `rank` of `per_node` processes on each node: ranks
+        node * per_node .. node * per_node + per_node - 1 run on one node, as torchrun numbers them."""
+        node = rank // per_node
         env = dict(os.environ)
-        env.update(RANK=str(i), WORLD_SIZE=str(self.n), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", GROUP_RANK=str(i),
+        env.update(RANK=str(rank), WORLD_SIZE=str(self.n * per_node), LOCAL_RANK=str(rank % per_node),
+                   LOCAL_WORLD_SIZE=str(per_node), GROUP_RANK=str(node),
                    MASTER_ADDR=self.master_addr, MASTER_PORT=str(master_port), PLAIT_TESTBED=self.name,
-                   PLAIT_TESTBED_NODE=str(i), PYTHONUNBUFFERED="1")
+                   PLAIT_TESTBED_NODE=str(node), PYTHONUNBUFFERED="1")
         if extra:
             env.update({k: str(v) for k, v in extra.items()})
         return env
@@ -561,14 +565,14 @@ class Testbed:
         return subprocess.Popen(self.wrap(i, cmd), env=env if env is not None else self.env(i, free_port()), **kw)
 
     def run(self, cmd, *, timeout=600.0, env=None, rank_env=None, master_port=None, stream=True, out=None,
-            grace=10.0, ranks=None):
-        """Runs cmd once per node in parallel with RANK, WORLD_SIZE, MASTER_ADDR (node 0's LAN
-        address) and MASTER_PORT set. `cmd` is an argv list, or a function rank -> argv.
+            grace=10.0, ranks=None, per_node=1):
+        """Runs cmd `per_node` times per node in parallel with RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR
+        (node 0's LAN address) and MASTER_PORT set. `cmd` is an argv list, or a function rank -> argv.
         Output lines are prefixed with the rank and streamed to `out` (stdout) when `stream`.
         When a rank fails the others get `grace` seconds to finish, then are killed. Returns a
         RunResult; every process is dead afterwards (also on KeyboardInterrupt)."""
         return run_ranks(self, cmd, timeout=timeout, env=env, rank_env=rank_env, master_port=master_port,
-                         stream=stream, out=out, grace=grace, ranks=ranks)
+                         stream=stream, out=out, grace=grace, ranks=ranks, per_node=per_node)
 
     def set_cable(self, i, j, up):
         """Takes the cable between nodes i and j down (node i's end; the peer sees no carrier) or up.

@@ -1,4 +1,4 @@
-"""Running one process per testbed node, torchrun style: environment per rank, output prefixed by
+"""Running one process (or a few) per testbed node, torchrun style: environment per rank, output prefixed by
 rank, bounded in time, and every process dead afterwards whatever happens."""
 
 import subprocess
@@ -40,13 +40,17 @@ class RunResult:
 
 
 def run_ranks(tb, cmd, *, timeout=600.0, env=None, rank_env=None, master_port=None, stream=True, out=None,
-              grace=10.0, ranks=None):
+              grace=10.0, ranks=None, per_node=1):
     from . import free_port
 
+    if per_node < 1:
+        raise ValueError(f"per_node must be at least 1, not {per_node}")
+    world = tb.n * per_node
+
     out = out or sys.stdout
-    ranks = list(range(tb.n)) if ranks is None else list(ranks)
+    ranks = list(range(world)) if ranks is None else list(ranks)
     port = master_port or free_port()
-    width = len(str(tb.n - 1))
+    width = len(str(world - 1))
     lines = {r: [] for r in ranks}
     lock = threading.Lock()
     procs = []
@@ -68,8 +72,8 @@ def run_ranks(tb, cmd, *, timeout=600.0, env=None, rank_env=None, master_port=No
     try:
         for r in ranks:
             argv = cmd(r) if callable(cmd) else cmd
-            e = tb.env(r, port, dict(env or {}, **((rank_env or {}).get(r, {}))))
-            p = tb.popen(r, argv, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            e = tb.env(r, port, dict(env or {}, **((rank_env or {}).get(r, {}))), per_node=per_node)
+            p = tb.popen(r // per_node, argv, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
             procs.append(p)
             t = threading.Thread(target=reader, args=(r, p.stdout), daemon=True)
             t.start()
@@ -106,8 +110,8 @@ def run_ranks(tb, cmd, *, timeout=600.0, env=None, rank_env=None, master_port=No
     codes = [p.returncode if p.returncode is not None else -9 for p in procs]
     if first_failure is None:
         first_failure = next((r for r, c in zip(ranks, codes) if c != 0), None)
-    full = [lines.get(r, []) for r in range(tb.n)]
-    full_codes = [None] * tb.n
+    full = [lines.get(r, []) for r in range(world)]
+    full_codes = [None] * world
     for r, c in zip(ranks, codes):
         full_codes[r] = c
     return RunResult(full_codes, full, timed_out, time.monotonic() - t0,
