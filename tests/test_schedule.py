@@ -320,3 +320,16 @@ def test_plait_schedule_bench_under_a_launcher_is_one_of_its_ranks():
     r = subprocess.run(CLI + ["schedule", "bench", str(HIER), "--nranks", "4", "--no-gloo"], capture_output=True,
                        text=True, timeout=120, env=env)
     assert r.returncode == 1 and "launcher started 2 ranks" in r.stderr, r.stderr
+
+
+def test_plait_schedule_simulate_on_hosts_prices_what_crosses_between_them():
+    r = _plait("schedule", "simulate", str(HIER), "--nranks", "4", "--sizes", "16M", "--hosts", "2", "--json", "-")
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(r.stdout)["results"][0]["predicted_seconds"]
+    assert min(rows, key=lambda a: rows[a][0]) == "hier_allreduce", rows
+    assert rows["ring"][0] < rows["direct"][0]
+    r = _plait("schedule", "simulate", str(HIER), "--nranks", "4", "--sizes", "16M", "--json", "-")
+    rows = json.loads(r.stdout)["results"][0]["predicted_seconds"]
+    assert min(rows, key=lambda a: rows[a][0]) != "hier_allreduce", rows
+    r = _plait("schedule", "simulate", str(HIER), "--nranks", "4", "--hosts", "3")
+    assert r.returncode == 1 and "do not split evenly over 3 hosts" in r.stderr

@@ -712,16 +712,17 @@ fn check_schedule<'py>(py: Python<'py>, text: &str, origin: &str, custom: bool) 
 
 /// The cost model's predicted seconds for a schedule file at each size (bytes of the whole
 /// layout), on links of class `topology`, with `cost_model` constants (PLAIT_COST_MODEL's form;
-/// default: the built-in constants). Built-in algorithms' own files are read too.
+/// default: the built-in constants), with the ranks on `hosts` hosts as torchrun numbers them.
+/// Built-in algorithms' own files are read too.
 #[pyfunction]
-#[pyo3(signature = (text, sizes, *, topology="shared", cost_model=None, segment_bytes=1048576, origin="<schedule>"))]
-fn estimate_schedule(text: &str, sizes: Vec<u64>, topology: &str, cost_model: Option<&str>, segment_bytes: usize, origin: &str) -> PyResult<Vec<f64>> {
+#[pyo3(signature = (text, sizes, *, topology="shared", hosts=1, cost_model=None, segment_bytes=1048576, origin="<schedule>"))]
+fn estimate_schedule(text: &str, sizes: Vec<u64>, topology: &str, hosts: usize, cost_model: Option<&str>, segment_bytes: usize, origin: &str) -> PyResult<Vec<f64>> {
     let s = plait_core::read_schedule_file(text, origin).map_err(to_py)?.schedule;
     let constants = match cost_model.filter(|t| !t.trim().is_empty()) {
         Some(t) => plait_core::CostConstants::parse(t).map_err(|e| to_py(PlaitError::Config(format!("PLAIT_COST_MODEL: {e}"))))?,
         None => plait_core::CostConstants::default(),
     };
-    plait_core::estimate_schedule(&s, &sizes, topology, &constants, segment_bytes).map_err(to_py)
+    plait_core::estimate_schedule(&s, &sizes, topology, hosts, &constants, segment_bytes).map_err(to_py)
 }
 
 /// This host's interface addresses as plait sees them (what each rank publishes).

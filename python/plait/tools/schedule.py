@@ -38,6 +38,10 @@ def add_arguments(p):
     sim.add_argument("--topology", default="shared", choices=("shared", "full_mesh", "partial_mesh"),
                      help="shared: every rank's links share one interface (a switch, one host; default); "
                      "full_mesh: a cable per pair")
+    sim.add_argument("--hosts", type=int, default=1,
+                     help="ranks on this many hosts, as torchrun numbers them (NRANKS/HOSTS each): a host's ranks "
+                     "talk through its memory and share its network interface to the others (default 1: the plain "
+                     "model, where each rank's links are its own, as on one host or a host per rank)")
     sim.add_argument("--cost-model", default=None, metavar="NAME=VALUE,...",
                      help="cost-model constants as PLAIT_COST_MODEL takes them (default: that setting, else plait's)")
     add_json_option(sim)
@@ -246,17 +250,20 @@ def _simulate(sources, args, core):
     for text, origin, custom in sources:
         facts = S.check(text, origin, custom)
         coll, n, root = facts["collective"], facts["nranks"], facts["root"]
-        rows = {facts["name"]: core.estimate_schedule(text, sizes, topology=args.topology, cost_model=cost_model, origin=origin)}
+        rows = {facts["name"]: core.estimate_schedule(text, sizes, topology=args.topology, hosts=args.hosts, cost_model=cost_model,
+                                                    origin=origin)}
         for algo in core.algorithms(coll):
             if algo == facts["name"]:
                 continue
             bt = S.builtin(coll, algo, n, root)
-            rows[algo] = core.estimate_schedule(bt, sizes, topology=args.topology, cost_model=cost_model)
-        report.append({"origin": origin, "collective": coll, "nranks": n, "topology": args.topology, "sizes": sizes,
+            rows[algo] = core.estimate_schedule(bt, sizes, topology=args.topology, hosts=args.hosts, cost_model=cost_model)
+        report.append({"origin": origin, "collective": coll, "nranks": n, "topology": args.topology, "hosts": args.hosts,
+                       "sizes": sizes,
                        "predicted_seconds": rows})
         if not to_stdout(args.json):
             names = list(rows)
-            print(f"{origin}: {coll} for {n} ranks, predicted time (µs) on {args.topology} links")
+            on = f" on {args.hosts} hosts of {n // args.hosts} ranks" if args.hosts > 1 else ""
+            print(f"{origin}: {coll} for {n} ranks{on}, predicted time (µs) on {args.topology} links")
             print("size".rjust(8) + "".join(nm[:14].rjust(15) for nm in names) + "   best")
             for i, size in enumerate(sizes):
                 vals = [rows[nm][i] for nm in names]

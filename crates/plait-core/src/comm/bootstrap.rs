@@ -109,6 +109,8 @@ pub(crate) struct Mesh {
     pub topology: Topology,
     /// Every directed link's latency and bandwidth, when they were measured (`PLAIT_MEASURE`).
     pub links: Option<LinkMatrix>,
+    /// Which ranks share a host, where some do and there is more than one (`topology::hosts`).
+    pub hosts: Option<crate::sched::cost::Hosts>,
 }
 
 /// Everything the steps share.
@@ -306,6 +308,7 @@ pub(crate) fn bootstrap_from(store: &dyn Store, cfg: &CommConfig, kept: Option<K
     };
     let topology = if size == 1 { Topology::Single } else { topology::classify(&all_links) };
     let links = topology::link_matrix(&all_links);
+    let hosts = topology::hosts(&all_links);
     if rank == 0 {
         tracing::info!("topology: {}", topology.name());
         for (r, links) in all_links.iter().enumerate() {
@@ -314,7 +317,7 @@ pub(crate) fn bootstrap_from(store: &dyn Store, cfg: &CommConfig, kept: Option<K
             }
         }
     }
-    Ok(Mesh { session, demux, listener, routes, topology, links })
+    Ok(Mesh { session, demux, listener, routes, topology, links, hosts })
 }
 
 fn machines(infos: &[PeerInfo]) -> Vec<Option<&str>> {

@@ -27,7 +27,7 @@ use crate::exec::spec::{check_rank, CollRequest, Plan, Planner};
 use crate::net::frame::{FrameKind, RESERVED_TAGS};
 use crate::net::listener::Listener;
 use crate::raw::RawBuf;
-use crate::sched::cost::{Constants, LinkModel, Sample};
+use crate::sched::cost::{Constants, Hosts, LinkModel, Sample};
 use crate::sched::order::{best_ring, LinkMatrix};
 use crate::sched::select::{parse_algo_spec, Selector};
 use crate::sched::Collective;
@@ -50,6 +50,8 @@ pub struct Communicator {
     topology: Topology,
     /// Every directed link's latency and bandwidth, when measured (`PLAIT_MEASURE`).
     links: Option<Arc<LinkMatrix>>,
+    /// Which ranks share a host, where some do and there is more than one.
+    hosts: Option<Arc<Hosts>>,
     closed: AtomicBool,
     workers: Workers,
     /// Which threads may call collectives (`cfg.threads`), and the collectives running.
@@ -83,7 +85,7 @@ struct Owner {
 /// The algorithm selector of a communicator configured by `cfg` on a mesh of `topology` whose
 /// links measured `links`: the cost model takes each link's own latency and bandwidth, and ring
 /// algorithms run in the order `PLAIT_RING_ORDER` says.
-fn selector(cfg: &CommConfig, topology: Topology, links: Option<Arc<LinkMatrix>>) -> Result<Selector> {
+fn selector(cfg: &CommConfig, topology: Topology, links: Option<Arc<LinkMatrix>>, hosts: Option<Arc<Hosts>>) -> Result<Selector> {
     let overrides = match &cfg.algo {
         Some(spec) => parse_algo_spec(spec, &cfg.schedules)?,
         None => Default::default(),
@@ -93,7 +95,7 @@ fn selector(cfg: &CommConfig, topology: Topology, links: Option<Arc<LinkMatrix>>
         RingOrder::Given(order) => Some(order.clone()).filter(|o| o.len() == cfg.size),
         RingOrder::Measured => links.as_deref().filter(|m| m.n == cfg.size).map(|m| best_ring(m, cfg.segment_bytes as f64)),
     };
-    let model = cfg.cost.apply(LinkModel { shared: topology != Topology::FullMesh, links, ..LinkModel::default() });
+    let model = cfg.cost.apply(LinkModel { shared: topology != Topology::FullMesh, links, hosts, ..LinkModel::default() });
     let selector = Selector::new(overrides, model, cfg.segment_bytes).with_custom(cfg.schedules.clone(), topology.name());
     Ok(match order {
         Some(order) => selector.with_ring_order(order),
@@ -117,7 +119,7 @@ impl Communicator {
     pub fn new(store: &dyn Store, cfg: CommConfig) -> Result<Arc<Communicator>> {
         cfg.validate()?;
         // Settings are checked before anything is published, so a typo fails every rank at once.
-        selector(&cfg, Topology::FullMesh, None)?;
+        selector(&cfg, Topology::FullMesh, None, None)?;
         let mesh = bootstrap::bootstrap(store, &cfg)?;
         Ok(Communicator::of_mesh(cfg, mesh)?)
     }
@@ -125,11 +127,12 @@ impl Communicator {
     fn of_mesh(cfg: CommConfig, mesh: bootstrap::Mesh) -> Result<Arc<Communicator>> {
         let cfg_threads = cfg.threads;
         let links = mesh.links.map(Arc::new);
+        let hosts = mesh.hosts.map(Arc::new);
         if let (Some(m), 0) = (&links, cfg.rank) {
             tracing::info!("links measured (latency us, Mbit/s): {}", describe_links(m));
         }
         Ok(Arc::new(Communicator {
-            selector: selector(&cfg, mesh.topology, links.clone())?,
+            selector: selector(&cfg, mesh.topology, links.clone(), hosts.clone())?,
             cfg,
             session: mesh.session,
             seq: AtomicU64::new(1),
@@ -137,6 +140,7 @@ impl Communicator {
             routes: mesh.routes,
             topology: mesh.topology,
             links,
+            hosts,
             closed: AtomicBool::new(false),
             workers: Workers::new(),
             threads: Threads::new(cfg_threads),
@@ -215,6 +219,7 @@ impl Communicator {
             ..self.cfg.clone()
         };
         let links = self.links.as_deref().map(|m| Arc::new(m.sub(ranks)));
+        let hosts = self.hosts.as_deref().and_then(|h| h.sub(ranks)).map(Arc::new);
         let id = group_id(&cfg.group);
         let mailbox = Arc::new(Mailbox::with_limits(cfg.unexpected_bytes, cfg.timeout));
         let demux = Arc::new(Demux::new(mailbox.clone(), bootstrap::heartbeat(self.cfg.timeout), None));
@@ -232,7 +237,7 @@ impl Communicator {
             .collect();
         let threads = cfg.threads;
         Ok(Arc::new(Communicator {
-            selector: selector(&cfg, self.topology, links.clone())?,
+            selector: selector(&cfg, self.topology, links.clone(), hosts.clone())?,
             cfg,
             session,
             seq: AtomicU64::new(1),
@@ -240,6 +245,7 @@ impl Communicator {
             routes,
             topology: self.topology,
             links,
+            hosts,
             closed: AtomicBool::new(false),
             workers: Workers::new(),
             threads: Threads::new(threads),

@@ -4,6 +4,7 @@
 use crate::error::{PlaitError, Result};
 use crate::net::iface::IfaceAddr;
 use crate::net::route::Route;
+use crate::sched::cost::Hosts;
 use crate::sched::order::LinkMatrix;
 use serde::{Deserialize, Serialize};
 use std::net::IpAddr;
@@ -103,6 +104,27 @@ fn one() -> usize {
 pub fn link_matrix(records: &[Vec<LinkRecord>]) -> Option<LinkMatrix> {
     let rec = |r: usize, peer: usize| records.get(r)?.iter().find(|l| l.peer == peer);
     LinkMatrix::from_fn(records.len(), |i, j| Some((rec(i, j)?.rtt_us? / 2e6, rec(j, i)?.rx_bytes_per_s?)))
+}
+
+/// Which ranks share a host and which interface each link to another host leaves by, when the
+/// ranks sit on more than one host and some host holds more than one (`cost::Hosts`): the cost
+/// model then prices a host's memory and its network interfaces apart. Ranks joined by a
+/// same-host link share a host. Pure, so every rank reaches the same answer from the same records.
+pub fn hosts(records: &[Vec<LinkRecord>]) -> Option<Hosts> {
+    let n = records.len();
+    let mut host: Vec<usize> = (0..n).collect();
+    for (r, links) in records.iter().enumerate() {
+        for l in links.iter().filter(|l| l.same_host && l.peer < n) {
+            let (a, b) = (host[r].min(host[l.peer]), host[r].max(host[l.peer]));
+            for h in host.iter_mut().filter(|h| **h == b) {
+                *h = a;
+            }
+        }
+    }
+    let iface = |r: usize, p: usize| {
+        records[r].iter().find(|l| l.peer == p).map_or_else(String::new, |l| l.local_iface.clone())
+    };
+    Hosts::new(&host, iface)
 }
 
 /// Derives the topology from every rank's link records (`records[r]` = rank r's links). Pure,
@@ -259,6 +281,34 @@ mod tests {
         let lo0 = |peer| LinkRecord { local: "127.0.0.1".into(), ..rec(peer, "lo0", false) };
         let mac_local = vec![vec![lo0(1), LinkRecord { local: "::1".into(), ..rec(2, "lo1", false) }]; 3];
         assert_eq!(classify(&mac_local), Topology::PartialMesh);
+    }
+
+    #[test]
+    fn hosts_group_ranks_joined_by_same_host_links_and_name_each_hosts_interfaces() {
+        // Two hosts of two ranks, one cable between them: ranks 0, 1 and 2, 3 share a host.
+        let two_by_two = vec![
+            vec![rec(1, "lo", true), rec(2, "c", false), rec(3, "c", false)],
+            vec![rec(0, "lo", true), rec(2, "c", false), rec(3, "c", false)],
+            vec![rec(0, "c", false), rec(1, "c", false), rec(3, "lo", true)],
+            vec![rec(0, "c", false), rec(1, "c", false), rec(2, "lo", true)],
+        ];
+        let h = hosts(&two_by_two).expect("two hosts of two ranks");
+        assert_eq!(h.of_rank, vec![0, 0, 1, 1]);
+        // Both ranks of a host leave it by the same interface; each host has its own.
+        assert_eq!(h.iface[2], h.iface[1 * 4 + 3]);
+        assert_ne!(h.iface[2], h.iface[2 * 4]);
+        assert_eq!(h.iface[1], None);
+        // Every rank on its own host, or all on one: nothing to add to the plain model.
+        let triangle = vec![
+            vec![rec(1, "c01", false), rec(2, "c02", false)],
+            vec![rec(0, "c01", false), rec(2, "c12", false)],
+            vec![rec(0, "c02", false), rec(1, "c12", false)],
+        ];
+        assert!(hosts(&triangle).is_none());
+        assert!(hosts(&vec![vec![rec(1, "lo", true), rec(2, "lo", true)]; 3]).is_none());
+        // A subgroup of one rank per host is back to the plain model; one that keeps a pair is not.
+        assert!(h.sub(&[0, 2]).is_none());
+        assert_eq!(h.sub(&[1, 2, 3]).unwrap().of_rank, vec![0, 1, 1]);
     }
 
     #[test]

@@ -35,6 +35,17 @@
 //! per-message overhead (`OVERHEAD_SHARE` of alpha) per peer, and its wire time is each link's
 //! bytes at that link's rate (summed over a rank's links when they share a NIC, the slowest
 //! link's when they are dedicated). Without one every link is alike, as above.
+//!
+//! # Ranks that share hosts
+//! With [`Hosts`] (ranks on more than one host, some host holding several: torchrun's k
+//! processes per machine) a host's network interface carries what all its ranks send to and
+//! receive from other hosts: for each step and interface, `bytes out` and `bytes in` over the
+//! link rate, and a step takes at least its slowest latency plus that per segment (`T_res`: at
+//! least each interface's total). Without measured links, a byte between two ranks of one host
+//! costs `1 / SAME_HOST_SPEEDUP` of a network byte on the ranks' own links. So on 2 hosts x 2
+//! ranks an allreduce is priced by what crosses between the hosts: 1.5 S for `ring`, 2 S for
+//! `direct` and `rhd`, S for a hierarchical schedule; without hosts every rank sends 1.5 S in
+//! all three and the one with fewest steps wins.
 
 use super::order::LinkMatrix;
 use super::{ChunkRef, LocalOp, Schedule};
@@ -60,11 +71,82 @@ pub struct LinkModel {
     /// Each directed link's latency and bandwidth as measured, for this world size; when set,
     /// it stands for `alpha`'s latency part and for `bandwidth`.
     pub links: Option<Arc<LinkMatrix>>,
+    /// Each rank's host, when some ranks share one and there is more than one host (ranks as
+    /// torchrun starts them, k per machine). Without measured links a byte between two ranks of
+    /// one host costs `1 / SAME_HOST_SPEEDUP` of a network byte on the ranks' own links; and
+    /// every host's network interface carries what all its ranks send to (and receive from) the
+    /// other hosts, so a step takes at least that sum at the link's rate.
+    pub hosts: Option<Arc<Hosts>>,
 }
+
+/// Which ranks share a host, and which network interface each link to another host leaves by.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Hosts {
+    /// Each rank's host, numbered 0, 1, ... by first rank.
+    pub of_rank: Vec<usize>,
+    /// `iface[r * n + p]`: the interface (numbered across all hosts) rank r's link to p uses, or
+    /// `None` when p is on r's host. Both directions of a link use it.
+    pub iface: Vec<Option<usize>>,
+}
+
+impl Hosts {
+    /// From each rank's host id and, per link to another host, a name for its interface that is
+    /// unique on its host; `None` unless there is more than one host and one holds more than one
+    /// rank (otherwise every rank's links are its own, which the plain model already prices).
+    pub fn new(host: &[usize], iface_name: impl Fn(usize, usize) -> String) -> Option<Hosts> {
+        let n = host.len();
+        let mut ids: Vec<usize> = Vec::new();
+        let of_rank: Vec<usize> = host
+            .iter()
+            .map(|h| {
+                ids.iter().position(|x| x == h).unwrap_or_else(|| {
+                    ids.push(*h);
+                    ids.len() - 1
+                })
+            })
+            .collect();
+        if ids.len() < 2 || ids.len() == n {
+            return None;
+        }
+        let mut names: Vec<(usize, String)> = Vec::new();
+        let mut iface = vec![None; n * n];
+        for r in 0..n {
+            for p in (0..n).filter(|&p| of_rank[p] != of_rank[r]) {
+                let key = (of_rank[r], iface_name(r, p));
+                let id = names.iter().position(|k| *k == key).unwrap_or_else(|| {
+                    names.push(key);
+                    names.len() - 1
+                });
+                iface[r * n + p] = Some(id);
+            }
+        }
+        Some(Hosts { of_rank, iface })
+    }
+
+    /// The same for the ranks `ranks` (a subgroup, its rank i being `ranks[i]`).
+    pub fn sub(&self, ranks: &[usize]) -> Option<Hosts> {
+        let n = self.of_rank.len();
+        let host: Vec<usize> = ranks.iter().map(|&r| self.of_rank[r]).collect();
+        Hosts::new(&host, |i, j| format!("{:?}", self.iface[ranks[i] * n + ranks[j]]))
+    }
+
+    fn iface(&self, r: usize, p: usize) -> Option<usize> {
+        self.iface.get(r * self.of_rank.len() + p).copied().flatten()
+    }
+
+    fn count(&self) -> usize {
+        self.iface.iter().flatten().max().map_or(0, |m| m + 1)
+    }
+}
+
+/// How much faster two ranks of one host exchange bytes (through its memory: loopback or shared
+/// memory) than ranks of different hosts do, where the links were not measured. Loopback TCP
+/// moves several GB/s on one core; the NICs of the clusters plait is for move 0.1-1.25 GB/s.
+pub const SAME_HOST_SPEEDUP: f64 = 4.0;
 
 impl Default for LinkModel {
     fn default() -> Self {
-        LinkModel { alpha: 30e-6, bandwidth: 2e9, gamma: 0.3e-9, shared: true, parallelism: 1.0, links: None }
+        LinkModel { alpha: 30e-6, bandwidth: 2e9, gamma: 0.3e-9, shared: true, parallelism: 1.0, links: None, hosts: None }
     }
 }
 
@@ -72,6 +154,11 @@ impl LinkModel {
     /// The measured links, if they are for `n` ranks.
     fn links_for(&self, n: usize) -> Option<&LinkMatrix> {
         self.links.as_deref().filter(|m| m.n == n)
+    }
+
+    /// The ranks' hosts, if they are for `n` ranks.
+    fn hosts_for(&self, n: usize) -> Option<&Hosts> {
+        self.hosts.as_deref().filter(|h| h.of_rank.len() == n)
     }
 }
 
@@ -182,19 +269,43 @@ pub fn estimate(
     let mut t_res = 0.0f64;
     let (mut sent, mut received) = (PeerBytes::new(n), PeerBytes::new(n));
     let (mut total_sent, mut total_received) = (PeerBytes::new(n), PeerBytes::new(n));
+    // Where ranks share hosts: what each host's interfaces carry, [step][interface][out, in] in
+    // seconds (a NIC's links take turns), and each step's slowest latency.
+    let hosts = model.hosts_for(n);
+    let nics = hosts.map_or(0, Hosts::count);
+    let mut nic_step = vec![[0.0f64; 2]; nics * nsteps];
+    let mut nic_total = vec![[0.0f64; 2]; nics];
+    let mut step_lat = vec![0.0f64; nsteps];
+    let rate = |from: usize, to: usize| links.map_or(model.bandwidth, |m| m.bandwidth(from, to));
+    let mut charge = |k: usize, r: usize, peer: usize, b: f64, dir: usize| -> f64 {
+        let Some(h) = hosts else { return b };
+        match h.iface(r, peer) {
+            Some(i) => {
+                let t = b / if dir == 0 { rate(r, peer) } else { rate(peer, r) };
+                nic_step[k * nics + i][dir] += t;
+                nic_total[i][dir] += t;
+                b
+            }
+            // Measured links already price a host's own links at what they ran.
+            None if links.is_none() => b / SAME_HOST_SPEEDUP,
+            None => b,
+        }
+    };
     for (r, prog) in s.ranks.iter().enumerate() {
         let (mut messages, mut reduced_total) = (0usize, 0.0f64);
         for (k, st) in prog.iter().enumerate().take(nsteps) {
             let mut reduced = 0.0;
             for op in &st.sends {
-                let b = size(r, &op.src);
-                sent.add(op.peer as usize, b);
-                total_sent.add(op.peer as usize, b);
+                let (p, b) = (op.peer as usize, size(r, &op.src));
+                let b = charge(k, r, p, b, 0);
+                sent.add(p, b);
+                total_sent.add(p, b);
             }
             for op in &st.recvs {
-                let b = size(r, &op.dst);
-                received.add(op.peer as usize, b);
-                total_received.add(op.peer as usize, b);
+                let (p, b) = (op.peer as usize, size(r, &op.dst));
+                let b = charge(k, r, p, b, 1);
+                received.add(p, b);
+                total_received.add(p, b);
                 if op.reduce_with.is_some() {
                     reduced += b;
                 }
@@ -206,6 +317,7 @@ pub fn estimate(
             }
             let m = sent.peers().max(received.peers());
             let lat = step_latency(r, &sent, &received, model, links);
+            step_lat[k] = step_lat[k].max(lat);
             let work = wire_seconds(r, &sent, &received, model, links) + reduced * model.gamma;
             step_time[k] = step_time[k].max(lat + work / segs);
             messages += m;
@@ -219,6 +331,14 @@ pub fn estimate(
         t_res = t_res.max(busy);
         total_sent.clear();
         total_received.clear();
+    }
+    for (k, t) in step_time.iter_mut().enumerate() {
+        for [out, inn] in &nic_step[k * nics..(k + 1) * nics] {
+            *t = t.max(step_lat[k] + out.max(*inn) / segs);
+        }
+    }
+    for [out, inn] in &nic_total {
+        t_res = t_res.max(out.max(*inn));
     }
     let pipe_max = step_time.iter().copied().fold(0.0, f64::max);
     let t_pipe = step_time.iter().sum::<f64>() + (segs - 1.0) * pipe_max;

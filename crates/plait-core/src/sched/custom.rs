@@ -7,7 +7,7 @@
 //! `docs/schedules.md` its prose. Unknown fields are errors, so a typo (`"reduce_wth"`) is not
 //! silently dropped.
 
-use super::cost::{estimate, Constants, LinkModel};
+use super::cost::{estimate, Constants, Hosts, LinkModel};
 use super::gen::{algorithms, generate};
 use super::verify::verify;
 use super::{Collective, Schedule};
@@ -291,14 +291,22 @@ pub fn builtin_file(coll: Collective, algo: &str, n: usize, root: usize, name: O
 /// The cost model's seconds for `s` at each call size in `sizes` (bytes of the whole layout,
 /// split evenly over the ranks' blocks), on links of class `topology` (`shared` or
 /// `full_mesh`), with `constants` (as `PLAIT_COST_MODEL`) over the defaults.
-pub fn estimate_sizes(s: &Schedule, sizes: &[u64], topology: &str, constants: &Constants, segment_bytes: usize) -> Result<Vec<f64>, PlaitError> {
+///
+/// `hosts` > 1 puts the ranks on that many hosts as torchrun numbers them (`nranks / hosts` per
+/// host, one network interface each), as a communicator models ranks that share hosts.
+pub fn estimate_sizes(s: &Schedule, sizes: &[u64], topology: &str, hosts: usize, constants: &Constants, segment_bytes: usize) -> Result<Vec<f64>, PlaitError> {
     if !TOPOLOGIES.contains(&topology) {
         return Err(PlaitError::InvalidArgument(format!("topology {topology:?} is not one of {}", TOPOLOGIES.join(", "))));
     }
+    let n = s.nranks.max(1);
+    if hosts == 0 || n % hosts != 0 {
+        return Err(PlaitError::InvalidArgument(format!("{n} ranks do not split evenly over {hosts} hosts")));
+    }
     // As a communicator models its mesh: only a cable per pair has independent links.
     let shared = topology != "full_mesh";
-    let model = constants.apply(LinkModel { shared, ..LinkModel::default() });
-    let n = s.nranks.max(1);
+    let of_rank: Vec<usize> = (0..n).map(|r| r / (n / hosts)).collect();
+    let hosts = Hosts::new(&of_rank, |_, _| String::new()).map(Arc::new);
+    let model = constants.apply(LinkModel { shared, hosts, ..LinkModel::default() });
     Ok(sizes
         .iter()
         .map(|&bytes| {
