@@ -769,3 +769,46 @@ fn a_grown_mesh_measures_only_the_links_to_new_ranks() {
         }
     }
 }
+
+/// The hierarchical allreduce of examples/schedules combines the two hosts' partial sums on two
+/// ranks at once; both must take them in one order, or min and max part on +0 against -0.
+#[test]
+fn the_hierarchical_example_ends_every_rank_with_the_same_bits_for_every_op() {
+    let text = include_str!("../../../examples/schedules/hier_allreduce.json");
+    let hier = Arc::new(plait_core::parse_schedule_file(text, "hier_allreduce.json").unwrap());
+    let out = world_with(4, 0, move |cfg| {
+        cfg.schedules = vec![hier.clone()];
+        cfg.algo = Some("allreduce:hier_allreduce".into());
+    }, |comm| {
+        let r = comm.rank();
+        let mut got = Vec::new();
+        for op in [ReduceOp::Min, ReduceOp::Max, ReduceOp::Sum] {
+            // The first host holds +0 and the second -0 everywhere but in a few odd blocks of
+            // numbers, so every block's two partials meet as zeros of both signs.
+            let mut input: Vec<f32> = (0..4099).map(|i| if i % 7 == 3 { (i + r) as f32 } else if r < 2 { 0.0 } else { -0.0 }).collect();
+            let mut output = vec![1.0f32; input.len()];
+            let req = CollRequest {
+                coll: Collective::AllReduce,
+                dtype: DType::F32,
+                op,
+                root: 0,
+                input: f32_buf(&mut input),
+                output: f32_buf(&mut output),
+                send_counts: None,
+                recv_counts: None,
+                timeout: None,
+                algo: None,
+                wire: None,
+            };
+            unsafe { comm.collective(req, true) }.unwrap().wait(None).unwrap().unwrap();
+            got.push(output.iter().map(|v| v.to_bits()).collect::<Vec<u32>>());
+        }
+        (comm.algorithm_for(Collective::AllReduce, 4099 * 4, 0).unwrap(), got)
+    });
+    for (r, (algo, got)) in out.iter().enumerate() {
+        assert_eq!(algo, "hier_allreduce");
+        for (op, bits) in got.iter().enumerate() {
+            assert!(bits == &out[0].1[op], "rank {r} ends op #{op} with other bits than rank 0");
+        }
+    }
+}

@@ -10,6 +10,7 @@ FILE is a version-1 schedule file (`.json`, docs/schedules.md) or a program (`.p
 `--nranks` given. A built-in algorithm is named `builtin:COLL:ALGO` (e.g. `builtin:allreduce:ring`).
 """
 
+import argparse
 import json
 import os
 import sys
@@ -38,7 +39,7 @@ def add_arguments(p):
     sim.add_argument("--topology", default="shared", choices=("shared", "full_mesh", "partial_mesh"),
                      help="shared: every rank's links share one interface (a switch, one host; default); "
                      "full_mesh: a cable per pair")
-    sim.add_argument("--hosts", type=int, default=1,
+    sim.add_argument("--hosts", type=_positive, default=1,
                      help="ranks on this many hosts, as torchrun numbers them (NRANKS/HOSTS each): a host's ranks "
                      "talk through its memory and share its network interface to the others (default 1: the plain "
                      "model, where each rank's links are its own, as on one host or a host per rank)")
@@ -64,6 +65,16 @@ def add_arguments(p):
     bi.add_argument("--root", type=int, default=0)
     bi.add_argument("--name", default=None, help="a new name: the file is then a custom schedule")
     bi.add_argument("-o", "--output", default="-", help="where to write it (default: stdout)")
+
+
+def _positive(text):
+    try:
+        v = int(text)
+    except ValueError:
+        v = 0
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive whole number")
+    return v
 
 
 def _file_args(p):
@@ -279,9 +290,14 @@ def _where(n):
     this process is one of them, on the real links; otherwise bench starts n on loopback."""
     from .. import schedule as S
 
-    if not all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
+    launcher = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    missing = [k for k in launcher if k not in os.environ]
+    if len(missing) == len(launcher):
         return ["--nproc", str(n)]
-    if int(os.environ["WORLD_SIZE"]) != n:
+    if missing:
+        raise S.ScheduleError(f"{', '.join(k for k in launcher if k not in missing)} set but not {', '.join(missing)}: "
+                              "under a launcher set all four, otherwise none")
+    if os.environ["WORLD_SIZE"].strip() != str(n):
         raise S.ScheduleError(f"the launcher started {os.environ['WORLD_SIZE']} ranks (WORLD_SIZE) and the schedule "
                               f"is for {n}: launch {n}, or give --nranks {os.environ['WORLD_SIZE']}")
     return []

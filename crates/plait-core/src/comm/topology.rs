@@ -121,8 +121,16 @@ pub fn hosts(records: &[Vec<LinkRecord>]) -> Option<Hosts> {
             }
         }
     }
+    let by_peer: Vec<std::collections::HashMap<usize, &LinkRecord>> =
+        records.iter().map(|links| links.iter().map(|l| (l.peer, l)).collect()).collect();
+    let record = |r: usize, p: usize| by_peer.get(r).and_then(|m| m.get(&p)).copied();
     let iface = |r: usize, p: usize| {
-        records[r].iter().find(|l| l.peer == p).map_or_else(String::new, |l| l.local_iface.clone())
+        let Some(l) = record(r, p) else { return String::new() };
+        match l.via {
+            // Relayed through a rank of its own host: the frames leave by the relay's interface.
+            Some(v) if v < n && host[v] == host[r] => record(v, p).map_or_else(String::new, |l| l.local_iface.clone()),
+            _ => l.local_iface.clone(),
+        }
     };
     Hosts::new(&host, iface)
 }
@@ -295,9 +303,11 @@ mod tests {
         let h = hosts(&two_by_two).expect("two hosts of two ranks");
         assert_eq!(h.of_rank, vec![0, 0, 1, 1]);
         // Both ranks of a host leave it by the same interface; each host has its own.
-        assert_eq!(h.iface[2], h.iface[1 * 4 + 3]);
-        assert_ne!(h.iface[2], h.iface[2 * 4]);
-        assert_eq!(h.iface[1], None);
+        assert_eq!(h.iface(0, 2), h.iface(1, 3));
+        assert!(h.iface(0, 3).is_some());
+        assert_ne!(h.iface(0, 2), h.iface(2, 0));
+        assert_eq!(h.iface(0, 1), None);
+        assert_eq!((h.hosts, h.ifaces), (2, 2));
         // Every rank on its own host, or all on one: nothing to add to the plain model.
         let triangle = vec![
             vec![rec(1, "c01", false), rec(2, "c02", false)],

@@ -41,14 +41,16 @@
 //! processes per machine) a host's network interface carries what all its ranks send to and
 //! receive from other hosts: for each step and interface, `bytes out` and `bytes in` over the
 //! link rate, and a step takes at least its slowest latency plus that per segment (`T_res`: at
-//! least each interface's total). Without measured links, a byte between two ranks of one host
-//! costs `1 / SAME_HOST_SPEEDUP` of a network byte on the ranks' own links. So on 2 hosts x 2
+//! least each interface's total), and a byte between two ranks of one host costs
+//! `1 / SAME_HOST_SPEEDUP` of a network byte on the ranks' own links. With measured links
+//! neither applies: the host's ranks measured at once, so the rates already carry their sharing. So on 2 hosts x 2
 //! ranks an allreduce is priced by what crosses between the hosts: 1.5 S for `ring`, 2 S for
 //! `direct` and `rhd`, S for a hierarchical schedule; without hosts every rank sends 1.5 S in
 //! all three and the one with fewest steps wins.
 
 use super::order::LinkMatrix;
 use super::{ChunkRef, LocalOp, Schedule};
+use std::collections::HashMap;
 use std::sync::Arc;
 
 /// Fraction of `alpha` that is per-message overhead and serialises across a rank's messages.
@@ -79,63 +81,63 @@ pub struct LinkModel {
     pub hosts: Option<Arc<Hosts>>,
 }
 
-/// Which ranks share a host, and which network interface each link to another host leaves by.
+/// Which ranks share a host, and which network interface each rank's links to another host
+/// leave by.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Hosts {
     /// Each rank's host, numbered 0, 1, ... by first rank.
     pub of_rank: Vec<usize>,
-    /// `iface[r * n + p]`: the interface (numbered across all hosts) rank r's link to p uses, or
-    /// `None` when p is on r's host. Both directions of a link use it.
+    /// `iface[r * hosts + g]`: the interface (numbered across all hosts) rank r's links to the
+    /// ranks of host g use (that of its link to g's first rank), or `None` for r's own host.
+    /// Both directions of a link use it. Per host, not per peer, so it stays small for many
+    /// ranks per host.
     pub iface: Vec<Option<usize>>,
+    /// How many hosts and interfaces there are.
+    pub hosts: usize,
+    pub ifaces: usize,
 }
 
 impl Hosts {
-    /// From each rank's host id and, per link to another host, a name for its interface that is
-    /// unique on its host; `None` unless there is more than one host and one holds more than one
-    /// rank (otherwise every rank's links are its own, which the plain model already prices).
+    /// From each rank's host id and a name for the interface rank r uses to reach rank p (another
+    /// host's), unique on r's host; `None` unless there is more than one host and one holds more
+    /// than one rank (otherwise every rank's links are its own, which the plain model prices).
     pub fn new(host: &[usize], iface_name: impl Fn(usize, usize) -> String) -> Option<Hosts> {
-        let n = host.len();
-        let mut ids: Vec<usize> = Vec::new();
+        let mut ids: HashMap<usize, usize> = HashMap::new();
+        let mut first: Vec<usize> = Vec::new();
         let of_rank: Vec<usize> = host
             .iter()
-            .map(|h| {
-                ids.iter().position(|x| x == h).unwrap_or_else(|| {
-                    ids.push(*h);
-                    ids.len() - 1
+            .enumerate()
+            .map(|(r, h)| {
+                *ids.entry(*h).or_insert_with(|| {
+                    first.push(r);
+                    first.len() - 1
                 })
             })
             .collect();
-        if ids.len() < 2 || ids.len() == n {
+        let (n, hosts) = (host.len(), first.len());
+        if hosts < 2 || hosts == n {
             return None;
         }
-        let mut names: Vec<(usize, String)> = Vec::new();
-        let mut iface = vec![None; n * n];
+        let mut names: HashMap<(usize, String), usize> = HashMap::new();
+        let mut iface = vec![None; n * hosts];
         for r in 0..n {
-            for p in (0..n).filter(|&p| of_rank[p] != of_rank[r]) {
-                let key = (of_rank[r], iface_name(r, p));
-                let id = names.iter().position(|k| *k == key).unwrap_or_else(|| {
-                    names.push(key);
-                    names.len() - 1
-                });
-                iface[r * n + p] = Some(id);
+            for (g, &p) in first.iter().enumerate().filter(|&(g, _)| g != of_rank[r]) {
+                let next = names.len();
+                iface[r * hosts + g] = Some(*names.entry((of_rank[r], iface_name(r, p))).or_insert(next));
             }
         }
-        Some(Hosts { of_rank, iface })
+        Some(Hosts { of_rank, iface, hosts, ifaces: names.len() })
     }
 
     /// The same for the ranks `ranks` (a subgroup, its rank i being `ranks[i]`).
     pub fn sub(&self, ranks: &[usize]) -> Option<Hosts> {
-        let n = self.of_rank.len();
         let host: Vec<usize> = ranks.iter().map(|&r| self.of_rank[r]).collect();
-        Hosts::new(&host, |i, j| format!("{:?}", self.iface[ranks[i] * n + ranks[j]]))
+        Hosts::new(&host, |i, j| format!("{:?}", self.iface(ranks[i], ranks[j])))
     }
 
-    fn iface(&self, r: usize, p: usize) -> Option<usize> {
-        self.iface.get(r * self.of_rank.len() + p).copied().flatten()
-    }
-
-    fn count(&self) -> usize {
-        self.iface.iter().flatten().max().map_or(0, |m| m + 1)
+    /// The interface rank r's link to rank p leaves r's host by (`None`: the same host).
+    pub fn iface(&self, r: usize, p: usize) -> Option<usize> {
+        self.iface.get(r * self.hosts + *self.of_rank.get(p)?).copied().flatten()
     }
 }
 
@@ -269,26 +271,25 @@ pub fn estimate(
     let mut t_res = 0.0f64;
     let (mut sent, mut received) = (PeerBytes::new(n), PeerBytes::new(n));
     let (mut total_sent, mut total_received) = (PeerBytes::new(n), PeerBytes::new(n));
-    // Where ranks share hosts: what each host's interfaces carry, [step][interface][out, in] in
-    // seconds (a NIC's links take turns), and each step's slowest latency.
-    let hosts = model.hosts_for(n);
-    let nics = hosts.map_or(0, Hosts::count);
+    // Where ranks share hosts (and the links were not measured: rates measured by a host's ranks
+    // at once already carry their sharing): what each host's interfaces carry,
+    // [step][interface][out, in] in bytes (a NIC's links take turns), and each step's slowest
+    // latency.
+    let hosts = model.hosts_for(n).filter(|_| links.is_none());
+    let nics = hosts.map_or(0, |h| h.ifaces);
     let mut nic_step = vec![[0.0f64; 2]; nics * nsteps];
     let mut nic_total = vec![[0.0f64; 2]; nics];
     let mut step_lat = vec![0.0f64; nsteps];
-    let rate = |from: usize, to: usize| links.map_or(model.bandwidth, |m| m.bandwidth(from, to));
+    // The bytes that count on rank r's own links for `b` bytes to or from `peer`.
     let mut charge = |k: usize, r: usize, peer: usize, b: f64, dir: usize| -> f64 {
         let Some(h) = hosts else { return b };
         match h.iface(r, peer) {
             Some(i) => {
-                let t = b / if dir == 0 { rate(r, peer) } else { rate(peer, r) };
-                nic_step[k * nics + i][dir] += t;
-                nic_total[i][dir] += t;
+                nic_step[k * nics + i][dir] += b;
+                nic_total[i][dir] += b;
                 b
             }
-            // Measured links already price a host's own links at what they ran.
-            None if links.is_none() => b / SAME_HOST_SPEEDUP,
-            None => b,
+            None => b / SAME_HOST_SPEEDUP,
         }
     };
     for (r, prog) in s.ranks.iter().enumerate() {
@@ -297,15 +298,15 @@ pub fn estimate(
             let mut reduced = 0.0;
             for op in &st.sends {
                 let (p, b) = (op.peer as usize, size(r, &op.src));
-                let b = charge(k, r, p, b, 0);
-                sent.add(p, b);
-                total_sent.add(p, b);
+                let w = charge(k, r, p, b, 0);
+                sent.add(p, w);
+                total_sent.add(p, w);
             }
             for op in &st.recvs {
                 let (p, b) = (op.peer as usize, size(r, &op.dst));
-                let b = charge(k, r, p, b, 1);
-                received.add(p, b);
-                total_received.add(p, b);
+                let w = charge(k, r, p, b, 1);
+                received.add(p, w);
+                total_received.add(p, w);
                 if op.reduce_with.is_some() {
                     reduced += b;
                 }
@@ -334,11 +335,11 @@ pub fn estimate(
     }
     for (k, t) in step_time.iter_mut().enumerate() {
         for [out, inn] in &nic_step[k * nics..(k + 1) * nics] {
-            *t = t.max(step_lat[k] + out.max(*inn) / segs);
+            *t = t.max(step_lat[k] + out.max(*inn) / model.bandwidth / segs);
         }
     }
     for [out, inn] in &nic_total {
-        t_res = t_res.max(out.max(*inn));
+        t_res = t_res.max(out.max(*inn) / model.bandwidth);
     }
     let pipe_max = step_time.iter().copied().fold(0.0, f64::max);
     let t_pipe = step_time.iter().sum::<f64>() + (segs - 1.0) * pipe_max;

@@ -389,11 +389,16 @@ mod tests {
         assert!(cost("hier_allreduce") < cost("ring") && cost("ring") < cost("direct") && cost("ring") < cost("rhd"));
         assert!(cost("direct") < cost("oneshot"));
         let ratio = cost("ring") / cost("hier_allreduce");
-        // The ring's ranks also reduce 3 blocks each where hier's cable carries no reduction.
-        assert!((1.3..2.0).contains(&ratio), "ring / hier = {ratio}");
+        // Measured 1.40 at 64 MiB (the cable's 1.5, less the hosts' own work).
+        assert!((1.3..1.6).contains(&ratio), "ring / hier = {ratio}");
         assert_eq!(sel.choose(Collective::AllReduce, 4, 0, &big, None).unwrap().name, "hier_allreduce");
-        // Where latency rules, below its when block, a built-in keeps the call.
-        assert_ne!(sel.choose(Collective::AllReduce, 4, 0, &[4096; 4], None).unwrap().name, "hier_allreduce");
+        // Where latency rules a built-in's single step is cheaper, when block or not.
+        let mut anywhere = (*hier).clone();
+        anywhere.when = Default::default();
+        let model = LinkModel { hosts: Some(Arc::new(Hosts::new(&[0, 0, 1, 1], |_, _| "eth0".into()).unwrap())), ..LinkModel::default() };
+        let any = Selector::new(HashMap::new(), model, 1 << 20).with_custom(vec![Arc::new(anywhere)], "partial_mesh");
+        assert_eq!(any.choose(Collective::AllReduce, 4, 0, &[1024; 4], None).unwrap().name, "oneshot");
+        assert_eq!(any.choose(Collective::AllReduce, 4, 0, &big, None).unwrap().name, "hier_allreduce");
         // Without the hosts (every rank its own NIC) the example is no better than the built-ins.
         let plain = Selector::new(HashMap::new(), LinkModel::default(), 1 << 20).with_custom(vec![hier], "partial_mesh");
         assert_ne!(plain.choose(Collective::AllReduce, 4, 0, &big, None).unwrap().name, "hier_allreduce");
