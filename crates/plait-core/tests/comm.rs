@@ -48,19 +48,7 @@ fn allreduce(comm: &Arc<Communicator>, input: &mut [f32], output: &mut [f32], al
 
 /// A blocking f32 sum `coll` over `input` and `output` (each rank's own buffers).
 fn collective(comm: &Arc<Communicator>, coll: Collective, input: &mut [f32], output: &mut [f32], algo: Option<&str>) -> Result<(), PlaitError> {
-    let req = CollRequest {
-        coll,
-        dtype: DType::F32,
-        op: ReduceOp::Sum,
-        root: 0,
-        input: f32_buf(input),
-        output: f32_buf(output),
-        send_counts: None,
-        recv_counts: None,
-        timeout: None,
-        algo: algo.map(String::from),
-        wire: None,
-    };
+    let req = CollRequest { coll, output: f32_buf(output), algo: algo.map(String::from), ..CollRequest::allreduce(f32_buf(input), DType::F32, ReduceOp::Sum) };
     unsafe { comm.collective(req, true) }?.wait(None).unwrap().map(|_| ())
 }
 
@@ -127,19 +115,7 @@ fn compressed_allreduce_is_bit_identical_on_every_rank_and_close_to_exact() {
             let r = comm.rank();
             let mut input: Vec<f32> = (0..count).map(|i| ((i * 7 + r * 13) % 101) as f32 / 10.0 - 5.0).collect();
             let mut output = vec![0.0f32; count];
-            let req = CollRequest {
-                coll: Collective::AllReduce,
-                dtype: DType::F32,
-                op: ReduceOp::Sum,
-                root: 0,
-                input: f32_buf(&mut input),
-                output: f32_buf(&mut output),
-                send_counts: None,
-                recv_counts: None,
-                timeout: None,
-                algo: None,
-                wire: Some(wire),
-            };
+            let req = CollRequest { output: f32_buf(&mut output), wire: Some(wire), ..CollRequest::allreduce(f32_buf(&mut input), DType::F32, ReduceOp::Sum) };
             unsafe { comm.collective(req, true) }.unwrap().wait(None).unwrap().unwrap();
             output
         });
@@ -478,19 +454,7 @@ fn a_late_rank_gets_collectives_of_many_times_its_budget_right() {
                 std::thread::sleep(Duration::from_millis(300));
             }
             let mut data: Vec<f32> = if r == 0 { (0..count).map(|i| i as f32).collect() } else { vec![0.0; count] };
-            let req = CollRequest {
-                coll: Collective::Broadcast,
-                dtype: DType::F32,
-                op: ReduceOp::Sum,
-                root: 0,
-                input: f32_buf(&mut data),
-                output: f32_buf(&mut data),
-                send_counts: None,
-                recv_counts: None,
-                timeout: None,
-                algo: None,
-                wire: None,
-            };
+            let req = CollRequest { coll: Collective::Broadcast, ..CollRequest::allreduce(f32_buf(&mut data), DType::F32, ReduceOp::Sum) };
             let sent = unsafe { comm.collective(req, true) }.and_then(|w| w.wait(None).unwrap()).map(|_| data.iter().enumerate().all(|(i, v)| *v == i as f32));
             (reduced.map_err(|e| e.to_string()), sent.map_err(|e| e.to_string()))
         });
@@ -579,19 +543,7 @@ fn measured_links_are_shared_alike_and_the_ring_runs_in_the_order_given() {
                 let r = comm.rank();
                 let mut input: Vec<f32> = (0..1001).map(|i| (i * (r + 1)) as f32).collect();
                 let mut output = vec![-1f32; 1001];
-                let req = CollRequest {
-                    coll,
-                    dtype: DType::F32,
-                    op: ReduceOp::Sum,
-                    root,
-                    input: f32_buf(&mut input),
-                    output: f32_buf(&mut output),
-                    send_counts: None,
-                    recv_counts: None,
-                    timeout: None,
-                    algo: Some("tree".into()),
-                    wire: None,
-                };
+                let req = CollRequest { coll, root, output: f32_buf(&mut output), algo: Some("tree".into()), ..CollRequest::allreduce(f32_buf(&mut input), DType::F32, ReduceOp::Sum) };
                 unsafe { comm.collective(req, true) }.and_then(|w| w.wait(None).unwrap()).unwrap();
                 let want: Vec<f32> = match coll {
                     Collective::Broadcast => (0..1001).map(|i| (i * (root + 1)) as f32).collect(),
@@ -787,19 +739,7 @@ fn the_hierarchical_example_ends_every_rank_with_the_same_bits_for_every_op() {
             // numbers, so every block's two partials meet as zeros of both signs.
             let mut input: Vec<f32> = (0..4099).map(|i| if i % 7 == 3 { (i + r) as f32 } else if r < 2 { 0.0 } else { -0.0 }).collect();
             let mut output = vec![1.0f32; input.len()];
-            let req = CollRequest {
-                coll: Collective::AllReduce,
-                dtype: DType::F32,
-                op,
-                root: 0,
-                input: f32_buf(&mut input),
-                output: f32_buf(&mut output),
-                send_counts: None,
-                recv_counts: None,
-                timeout: None,
-                algo: None,
-                wire: None,
-            };
+            let req = CollRequest { output: f32_buf(&mut output), ..CollRequest::allreduce(f32_buf(&mut input), DType::F32, op) };
             unsafe { comm.collective(req, true) }.unwrap().wait(None).unwrap().unwrap();
             got.push(output.iter().map(|v| v.to_bits()).collect::<Vec<u32>>());
         }

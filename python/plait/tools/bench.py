@@ -481,8 +481,12 @@ def launch(args) -> int:
             os.unlink(out)
 
 
+# What torchrun (and `plait testbed run`) set for each rank it starts.
+LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
 def run(args) -> int:
-    under_launcher = all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+    under_launcher = all(k in os.environ for k in LAUNCHER_ENV)
     if args.worker or (under_launcher and args.nproc is None):
         return worker(args)
     return launch(args)

@@ -261,16 +261,14 @@ def _simulate(sources, args, core):
     for text, origin, custom in sources:
         facts = S.check(text, origin, custom)
         coll, n, root = facts["collective"], facts["nranks"], facts["root"]
-        rows = {facts["name"]: core.estimate_schedule(text, sizes, topology=args.topology, hosts=args.hosts, cost_model=cost_model,
-                                                    origin=origin)}
+        model = dict(topology=args.topology, hosts=args.hosts, cost_model=cost_model)
+        rows = {facts["name"]: core.estimate_schedule(text, sizes, origin=origin, **model)}
         for algo in core.algorithms(coll):
             if algo == facts["name"]:
                 continue
-            bt = S.builtin(coll, algo, n, root)
-            rows[algo] = core.estimate_schedule(bt, sizes, topology=args.topology, hosts=args.hosts, cost_model=cost_model)
+            rows[algo] = core.estimate_schedule(S.builtin(coll, algo, n, root), sizes, **model)
         report.append({"origin": origin, "collective": coll, "nranks": n, "topology": args.topology, "hosts": args.hosts,
-                       "sizes": sizes,
-                       "predicted_seconds": rows})
+                       "sizes": sizes, "predicted_seconds": rows})
         if not to_stdout(args.json):
             names = list(rows)
             on = f" on {args.hosts} hosts of {n // args.hosts} ranks" if args.hosts > 1 else ""
@@ -289,14 +287,14 @@ def _where(n):
     """bench's arguments for where the ranks run: under a launcher (torchrun, `plait testbed run`)
     this process is one of them, on the real links; otherwise bench starts n on loopback."""
     from .. import schedule as S
+    from .bench import LAUNCHER_ENV
 
-    launcher = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-    missing = [k for k in launcher if k not in os.environ]
-    if len(missing) == len(launcher):
+    missing = [k for k in LAUNCHER_ENV if k not in os.environ]
+    if len(missing) == len(LAUNCHER_ENV):
         return ["--nproc", str(n)]
     if missing:
-        raise S.ScheduleError(f"{', '.join(k for k in launcher if k not in missing)} set but not {', '.join(missing)}: "
-                              "under a launcher set all four, otherwise none")
+        have = ", ".join(k for k in LAUNCHER_ENV if k not in missing)
+        raise S.ScheduleError(f"{have} set but not {', '.join(missing)}: under a launcher set all four, otherwise none")
     if os.environ["WORLD_SIZE"].strip() != str(n):
         raise S.ScheduleError(f"the launcher started {os.environ['WORLD_SIZE']} ranks (WORLD_SIZE) and the schedule "
                               f"is for {n}: launch {n}, or give --nranks {os.environ['WORLD_SIZE']}")

@@ -39,14 +39,14 @@
 //! # Ranks that share hosts
 //! With [`Hosts`] (ranks on more than one host, some host holding several: torchrun's k
 //! processes per machine) a host's network interface carries what all its ranks send to and
-//! receive from other hosts: for each step and interface, `bytes out` and `bytes in` over the
-//! link rate, and a step takes at least its slowest latency plus that per segment (`T_res`: at
-//! least each interface's total), and a byte between two ranks of one host costs
-//! `1 / SAME_HOST_SPEEDUP` of a network byte on the ranks' own links. With measured links
-//! neither applies: the host's ranks measured at once, so the rates already carry their sharing. So on 2 hosts x 2
-//! ranks an allreduce is priced by what crosses between the hosts: 1.5 S for `ring`, 2 S for
-//! `direct` and `rhd`, S for a hierarchical schedule; without hosts every rank sends 1.5 S in
-//! all three and the one with fewest steps wins.
+//! receive from other hosts. For each step and interface, the larger of `bytes out` and
+//! `bytes in` over `bandwidth` is at least a step's time (with the step's slowest latency, per
+//! segment), and each interface's total is at least `T_res`. A byte between two ranks of one
+//! host costs `1 / SAME_HOST_SPEEDUP` of a network byte on the ranks' own links. So on 2 hosts
+//! x 2 ranks an allreduce is priced by what crosses between the hosts: 1.5 S for `ring`, 2 S
+//! for `direct` and `rhd`, S for a hierarchical schedule; without hosts every rank sends 1.5 S
+//! in all three and the one with fewest steps wins. With measured links neither rule applies:
+//! a host's ranks measured at once, so the rates already carry their sharing.
 
 use super::order::LinkMatrix;
 use super::{ChunkRef, LocalOp, Schedule};
@@ -73,11 +73,9 @@ pub struct LinkModel {
     /// Each directed link's latency and bandwidth as measured, for this world size; when set,
     /// it stands for `alpha`'s latency part and for `bandwidth`.
     pub links: Option<Arc<LinkMatrix>>,
-    /// Each rank's host, when some ranks share one and there is more than one host (ranks as
-    /// torchrun starts them, k per machine). Without measured links a byte between two ranks of
-    /// one host costs `1 / SAME_HOST_SPEEDUP` of a network byte on the ranks' own links; and
-    /// every host's network interface carries what all its ranks send to (and receive from) the
-    /// other hosts, so a step takes at least that sum at the link's rate.
+    /// Which ranks share a host, when some do and there is more than one host (ranks as
+    /// torchrun starts them, k per machine): priced as "Ranks that share hosts" above says,
+    /// unless the links were measured.
     pub hosts: Option<Arc<Hosts>>,
 }
 

@@ -381,7 +381,7 @@ mod tests {
         let hier = Arc::new(parse(include_str!("../../../../examples/schedules/hier_allreduce.json"), "hier").unwrap());
         let two_by_two = Hosts::new(&[0, 0, 1, 1], |_, _| "eth0".into()).unwrap();
         let model = LinkModel { hosts: Some(Arc::new(two_by_two)), ..LinkModel::default() };
-        let sel = Selector::new(HashMap::new(), model, 1 << 20).with_custom(vec![hier.clone()], "partial_mesh");
+        let sel = Selector::new(HashMap::new(), model.clone(), 1 << 20).with_custom(vec![hier.clone()], "partial_mesh");
         let big = [16usize << 20; 4];
         let cost = |name: &str| sel.candidates(Collective::AllReduce, 4, 0, &big).into_iter().find(|c| c.0 == name).unwrap().1;
         // Bytes each host sends the other, per byte of the buffer: hier 1, ring 1.5, direct and
@@ -395,7 +395,6 @@ mod tests {
         // Where latency rules a built-in's single step is cheaper, when block or not.
         let mut anywhere = (*hier).clone();
         anywhere.when = Default::default();
-        let model = LinkModel { hosts: Some(Arc::new(Hosts::new(&[0, 0, 1, 1], |_, _| "eth0".into()).unwrap())), ..LinkModel::default() };
         let any = Selector::new(HashMap::new(), model, 1 << 20).with_custom(vec![Arc::new(anywhere)], "partial_mesh");
         assert_eq!(any.choose(Collective::AllReduce, 4, 0, &[1024; 4], None).unwrap().name, "oneshot");
         assert_eq!(any.choose(Collective::AllReduce, 4, 0, &big, None).unwrap().name, "hier_allreduce");

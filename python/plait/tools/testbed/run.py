@@ -1,5 +1,5 @@
-"""Running one process (or a few) per testbed node, torchrun style: environment per rank, output prefixed by
-rank, bounded in time, and every process dead afterwards whatever happens."""
+"""Running one process (or a few) per testbed node, torchrun style: environment per rank, output
+prefixed by rank, bounded in time, and every process dead afterwards whatever happens."""
 
 import subprocess
 import sys
@@ -73,7 +73,8 @@ def run_ranks(tb, cmd, *, timeout=600.0, env=None, rank_env=None, master_port=No
         for r in ranks:
             argv = cmd(r) if callable(cmd) else cmd
             e = tb.env(r, port, dict(env or {}, **((rank_env or {}).get(r, {}))), per_node=per_node)
-            p = tb.popen(r // per_node, argv, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            p = tb.popen(r // per_node, argv, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         stdin=subprocess.DEVNULL)
             procs.append(p)
             t = threading.Thread(target=reader, args=(r, p.stdout), daemon=True)
             t.start()
