@@ -752,3 +752,91 @@ fn the_hierarchical_example_ends_every_rank_with_the_same_bits_for_every_op() {
         }
     }
 }
+
+// -- ranks of one host: payloads over 64 KiB through shared memory (PLAIT_SHM_BYTES) --
+
+/// A ring smaller than the traffic, so payloads wrap around its end and senders wait for room:
+/// every algorithm's result is exact, as it is with the same calls over TCP (`shm_bytes` 0), and
+/// each link says which way it went.
+#[test]
+fn payloads_through_shared_memory_land_exactly_as_over_tcp() {
+    for shm in [300_000usize, 0] {
+        let n = 3;
+        let results = world_with(
+            n,
+            0,
+            move |cfg| {
+                cfg.segment_bytes = 100_000;
+                cfg.shm_bytes = shm;
+            },
+            move |comm| {
+                let lanes: Vec<usize> = comm.routes().iter().map(|l| l.shm_lanes).collect();
+                let r = comm.rank();
+                let mut errs = Vec::new();
+                for &algo in algorithms(Collective::AllReduce) {
+                    // Frames under 64 KiB (TCP), between it and the ring, and over the ring (TCP).
+                    for count in [70_001usize, 250_000, 1_000_003] {
+                        let mut input: Vec<f32> = (0..count).map(|i| (i % 977) as f32 + r as f32).collect();
+                        let mut output = vec![-1.0f32; count];
+                        allreduce(&comm, &mut input, &mut output, Some(algo)).unwrap();
+                        if let Some(i) = (0..count).find(|&i| output[i] != (0..n).map(|q| (i % 977) as f32 + q as f32).sum::<f32>()) {
+                            errs.push(format!("shm={shm} {algo} count={count}: [{i}] = {}", output[i]));
+                        }
+                    }
+                }
+                // Point to point: a message that fits the ring, and one sent as pieces too large for it.
+                for len in [200_000usize, 9 << 20] {
+                    let buf = |v: &mut Vec<u8>| RawBuf { ptr: v.as_mut_ptr(), len: v.len() };
+                    let (to, from) = ((r + 1) % n, (r + n - 1) % n);
+                    let mut out: Vec<u8> = (0..len).map(|i| (i * 7 + r) as u8).collect();
+                    let mut got = vec![0u8; len];
+                    let s = unsafe { comm.send(buf(&mut out), DType::U8, to, 5, None, false) }.unwrap();
+                    unsafe { comm.recv(buf(&mut got), DType::U8, Some(from), 5, None, true) }.unwrap().wait(None).unwrap().unwrap();
+                    s.wait(None).unwrap().unwrap();
+                    if (0..len).any(|i| got[i] != (i * 7 + from) as u8) {
+                        errs.push(format!("shm={shm} p2p of {len} bytes from {from}: wrong contents"));
+                    }
+                }
+                (lanes, errs)
+            },
+        );
+        for (r, (lanes, errs)) in results.iter().enumerate() {
+            assert_eq!(lanes, &vec![usize::from(shm > 0); n - 1], "rank {r}'s links with shm_bytes={shm}");
+            assert!(errs.is_empty(), "{errs:?}");
+        }
+    }
+}
+
+/// A sender waiting for room in a full ring (its peer parks what it cannot hold and reads no
+/// more) does not hang when that peer aborts: its sends fail, naming the peer, long before the
+/// timeout.
+#[test]
+fn a_sender_waiting_for_room_in_shared_memory_fails_naming_the_rank_that_aborted() {
+    let results = world_with(
+        2,
+        0,
+        |cfg| {
+            cfg.unexpected_bytes = MIB as u64;
+            cfg.shm_bytes = 300_000;
+            cfg.timeout = Duration::from_secs(30);
+        },
+        |comm| {
+            let buf = |v: &mut Vec<u8>| RawBuf { ptr: v.as_mut_ptr(), len: v.len() };
+            if comm.rank() == 0 {
+                assert_eq!(comm.routes()[0].shm_lanes, 1);
+                let t = Instant::now();
+                let mut msgs: Vec<Vec<u8>> = (0..20).map(|k| vec![k as u8; 200_000]).collect();
+                let works: Vec<_> = msgs.iter_mut().map(|m| unsafe { comm.send(buf(m), DType::U8, 1, 3, None, false) }.unwrap()).collect();
+                let errors: Vec<String> = works.into_iter().filter_map(|w| w.wait(Some(Duration::from_secs(25))).expect("a send hung").err()).map(|e| e.to_string()).collect();
+                return (errors, t.elapsed());
+            }
+            std::thread::sleep(Duration::from_millis(800));
+            comm.abort("rank 1 gives up");
+            (Vec::new(), Duration::ZERO)
+        },
+    );
+    let (errors, took) = &results[0];
+    assert!(!errors.is_empty(), "20 sends of 200 KB to a rank holding 1 MiB all completed");
+    assert!(errors.iter().all(|e| e.contains("rank 1")), "{errors:?}");
+    assert!(*took < Duration::from_secs(10), "the sends ended after {took:?}");
+}

@@ -582,7 +582,8 @@ def build_report(n, infos, measures, missing, *, master_addr=None, master_port=N
                          "remote_iface": (ra or {}).get("name"), "reason": why,
                          "subnet": str(net) if net else None, "ranks_on_subnet": shared_by,
                          "local_mtu": (la or {}).get("mtu"), "remote_mtu": (ra or {}).get("mtu"),
-                         "startup_rtt_us": rt.get("rtt_us"), "via": rt.get("via")})
+                         "startup_rtt_us": rt.get("rtt_us"), "via": rt.get("via"),
+                         "shared_memory": bool(rt.get("shm_lanes"))})
     # Warnings about routes, once per pair.
     for row in rows:
         i, j = row["from"], row["to"]
@@ -747,6 +748,8 @@ def print_report(rep, console=None):
             if row["ranks_on_subnet"] and row["ranks_on_subnet"] > 2:
                 sub += f" [dim](shared by {row['ranks_on_subnet']})"
             ends = f"{row['local']} -> {row['remote']}" if row["via"] is None else f"through rank {row['via']}"
+            if row.get("shared_memory"):
+                ends += ", payloads over 64 KiB in shared memory"
             t.add_row(str(row["from"]), str(row["to"]), row["local_iface"] or "?", ends, sub, mtu, row["reason"])
         console.print(t)
 

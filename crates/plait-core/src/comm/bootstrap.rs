@@ -263,7 +263,16 @@ pub(crate) fn bootstrap_from(store: &dyn Store, cfg: &CommConfig, kept: Option<K
     let session = Arc::new(session);
     demux.attach(&session);
     let all_links = connected.and_then(|infos| {
+        if cfg.shm_bytes > 0 {
+            for r in routes.iter().filter(|r| r.same_host && r.via.is_none()) {
+                session.link(r.peer).offer_shm(cfg.shm_bytes);
+            }
+        }
         let rtts = probe(&session, plan.deadline)?;
+        // The probes went after the offers on each lane, so their answers mean the offers were read.
+        for r in routes.iter_mut() {
+            r.shm_lanes = if r.via.is_none() { session.link(r.peer).shm_lanes() } else { 0 };
+        }
         size_buffers(&session, &me.addrs, &mut routes, &rtts);
         for r in routes.iter_mut() {
             r.max_streams = if kept_peers.contains(&r.peer) { r.streams } else { cfg.streams_max.max(r.streams) };

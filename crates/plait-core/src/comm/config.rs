@@ -77,6 +77,8 @@ const BYTES_UP_TO: Range = Range { unit: "number of bytes (0: off)", min: 0.0, m
 const HELLO_TIMEOUT: Range = Range { unit: "number of seconds", min: 0.001, max: 1e6, integer: false };
 const UNEXPECTED_BYTES: Range =
     Range { unit: "number of bytes", min: MIN_UNEXPECTED_BYTES as f64, max: (1u64 << 40) as f64, integer: true };
+/// A ring holds at least one segment; past a GiB it is memory nobody waits on.
+const SHM_BYTES: Range = Range { unit: "number of bytes (0: off)", min: 0.0, max: (1u64 << 30) as f64, integer: true };
 const BUSY_POLL_US: Range = Range { unit: "number of microseconds (0: off)", min: 0.0, max: 1_000_000.0, integer: true };
 const STAGING_CACHE: Range = Range { unit: "number of bytes", min: 0.0, max: (1u64 << 48) as f64, integer: true };
 const TRACE_ENTRIES: Range = Range { unit: "number of operations (0: off)", min: 0.0, max: 10_000_000.0, integer: true };
@@ -98,6 +100,9 @@ pub const DEFAULT_CALLER_READ_BYTES: usize = 64 * 1024;
 /// 8-byte allreduce p50 rose about 10 % (0.21-0.24 ms against 0.24-0.27 ms). Links with a large
 /// bandwidth-delay product or per-flow limits want more (see the README).
 pub const DEFAULT_STREAMS: usize = 1;
+/// Shared memory per direction of a link between ranks of one host (`net::shm`): four default
+/// segments in flight.
+pub const DEFAULT_SHM_BYTES: usize = 4 << 20;
 pub const MAX_STREAMS: usize = crate::net::handshake::MAX_LANES as usize;
 /// The most connections start-up opens on its own to a link that one stream cannot fill (its
 /// measured rate is what the socket buffers let one stream carry over its round trip): 8 fill a
@@ -218,6 +223,13 @@ pub const SETTINGS: &[Setting] = &[
         default: "1",
         doc: "TCP connections per pair of ranks (1 to 16), for links one stream cannot fill.",
         range: Some(STREAMS),
+    },
+    Setting {
+        name: "PLAIT_SHM_BYTES",
+        kind: "bytes",
+        default: "4194304",
+        doc: "Shared memory per direction of each link between ranks of one host: payloads over 64 KiB and up to this size go through it instead of loopback TCP (Linux /dev/shm, macOS shm_open; elsewhere, with PLAIT_ENCRYPT=1, or 0: TCP only).",
+        range: Some(SHM_BYTES),
     },
     Setting {
         name: "PLAIT_COST_MODEL",
@@ -371,6 +383,8 @@ pub struct CommConfig {
     /// The most connections start-up may open to a link that one stream cannot fill
     /// (`PLAIT_STREAMS_MAX`, 1 to 16; see `measure::lanes_wanted`).
     pub streams_max: usize,
+    /// `PLAIT_SHM_BYTES`: the shared-memory ring per direction of a same-host link (0: none).
+    pub shm_bytes: usize,
     /// `PLAIT_IFACE` syntax (NCCL_SOCKET_IFNAME-like).
     pub iface: Option<String>,
     /// `PLAIT_ROUTES`: path of an N x N route matrix that overrides subnet matching.
@@ -599,6 +613,7 @@ impl CommConfig {
             ("segment_bytes", SEGMENT_BYTES, self.segment_bytes as f64),
             ("streams", STREAMS, self.streams as f64),
             ("streams_max", STREAMS, self.streams_max as f64),
+            ("shm_bytes", SHM_BYTES, self.shm_bytes as f64),
             ("caller_read_bytes", BYTES_UP_TO, self.caller_read_bytes as f64),
             ("busy_poll (microseconds)", BUSY_POLL_US, self.busy_poll.as_micros() as f64),
             ("unexpected_bytes", UNEXPECTED_BYTES, self.unexpected_bytes as f64),
@@ -622,6 +637,7 @@ impl CommConfig {
         let busy_poll = whole("PLAIT_BUSY_POLL_US")?.map_or(Duration::ZERO, Duration::from_micros);
         let streams = whole("PLAIT_STREAMS")?.map_or(DEFAULT_STREAMS, |v| v as usize);
         let streams_max = whole("PLAIT_STREAMS_MAX")?.map_or(DEFAULT_STREAMS_MAX, |v| v as usize);
+        let shm_bytes = whole("PLAIT_SHM_BYTES")?.map_or(DEFAULT_SHM_BYTES, |v| v as usize);
         let hello_timeout = setting_number("PLAIT_HELLO_TIMEOUT")?.map_or(DEFAULT_HELLO_TIMEOUT, Duration::from_secs_f64);
         let heartbeat_timeout = setting_number("PLAIT_HEARTBEAT_TIMEOUT")?.map_or(DEFAULT_HEARTBEAT_TIMEOUT, Duration::from_secs_f64);
         let unexpected_bytes = whole("PLAIT_UNEXPECTED_BYTES")?.unwrap_or(DEFAULT_UNEXPECTED_BYTES);
@@ -668,6 +684,7 @@ impl CommConfig {
             busy_poll,
             streams,
             streams_max,
+            shm_bytes,
             iface: setting("PLAIT_IFACE"),
             routes_file: setting("PLAIT_ROUTES"),
             wire,

@@ -70,6 +70,10 @@ pub struct LinkRecord {
     /// (`PLAIT_RELAY`); its latency and rate are those of the two hops (see `comm::relay`).
     #[serde(default)]
     pub via: Option<usize>,
+    /// Connections of the link whose large payloads go through shared memory (`PLAIT_SHM_BYTES`,
+    /// ranks of one host), as this rank found them once the link answered its first probes.
+    #[serde(default)]
+    pub shm_lanes: usize,
 }
 
 impl LinkRecord {
@@ -90,6 +94,7 @@ impl LinkRecord {
             recv_buffer: None,
             iface_bytes_per_s: None,
             via: None,
+            shm_lanes: 0,
         }
     }
 }

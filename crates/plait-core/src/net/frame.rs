@@ -28,7 +28,14 @@ pub enum FrameKind {
     /// (`FrameHeader::relay`): the payload is that frame, header and all. The rank in between
     /// passes it on; the rank it is for reads it as if it came straight from its sender.
     Relay = 7,
+    /// A ring of shared memory for this lane's large payloads (`net::shm`): its name, nonce and
+    /// capacity. Only between ranks of one host; the peer's reader takes it, nothing above sees it.
+    ShmOffer = 8,
 }
+
+/// Set in a header's `kind` on the wire: the payload is in the lane's shared-memory ring
+/// (`net::shm`), not on the socket. The lane's reader clears it; nothing above sees it.
+pub const SHM_PAYLOAD: u8 = 0x80;
 
 impl FrameKind {
     pub fn from_u8(v: u8) -> Option<FrameKind> {
@@ -40,6 +47,7 @@ impl FrameKind {
             5 => FrameKind::Close,
             6 => FrameKind::Refuse,
             7 => FrameKind::Relay,
+            8 => FrameKind::ShmOffer,
             _ => return None,
         })
     }
@@ -211,7 +219,7 @@ impl FrameHeader {
             layout_id: u32_at(52),
             group: u64_at(56),
         };
-        if FrameKind::from_u8(h.kind).is_none() {
+        if FrameKind::from_u8(h.kind & !SHM_PAYLOAD).is_none() {
             return Err(io::Error::new(io::ErrorKind::InvalidData, format!("unknown frame kind {}", h.kind)));
         }
         Ok(h)

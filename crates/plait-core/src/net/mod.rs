@@ -13,6 +13,7 @@ pub mod peer;
 mod reader;
 pub mod route;
 pub mod seal;
+mod shm;
 pub mod tuning;
 mod wait;
 #[cfg(test)]

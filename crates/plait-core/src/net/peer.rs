@@ -6,9 +6,10 @@
 //! blocked write to one slow peer must never stall another.
 
 use super::auth::LinkStream;
-use super::frame::{FrameHeader, FrameKind, HEADER_LEN};
+use super::frame::{FrameHeader, FrameKind, HEADER_LEN, SHM_PAYLOAD};
 use super::reader::ReadSide;
 use super::seal::{Sealer, RECORD_MAX};
+use super::shm::Outbound;
 pub use super::wait::CallerPoll;
 use crossbeam_channel::{Receiver, Sender};
 use parking_lot::{Mutex, RwLock};
@@ -21,7 +22,7 @@ use std::time::{Duration, Instant};
 
 /// Payloads up to this size are copied next to their header and written with one syscall:
 /// one packet for small messages instead of two.
-const EAGER_MAX: usize = 64 * 1024;
+pub(super) const EAGER_MAX: usize = 64 * 1024;
 
 /// Receives what a peer sends: implemented by the session's `Demux`, which routes each frame.
 pub trait Inbox: Send + Sync {
@@ -255,6 +256,9 @@ impl PeerLink {
                 last_tx: Instant::now(),
                 failed: None,
                 seal,
+                shm: None,
+                closing: self.closing.clone(),
+                read: Weak::new(),
             }));
             let read = ReadSide::new(
                 self.peer,
@@ -266,6 +270,7 @@ impl PeerLink {
                 self.deaf.clone(),
                 open,
             )?;
+            writer.lock().read = Arc::downgrade(&read);
             let (w, c, heartbeat) = (writer.clone(), self.closing.clone(), self.heartbeat);
             let suffix = if i == 0 { String::new() } else { format!(".{i}") };
             threads.push(
@@ -280,6 +285,39 @@ impl PeerLink {
         }
         self.threads.lock().extend(threads);
         Ok(started)
+    }
+
+    /// Offers the peer, a rank of this host, a ring of `capacity` bytes of shared memory per lane
+    /// for the lane's large payloads (see `shm`). A lane uses it once the peer has mapped it; a
+    /// sealed lane, or a system without shared memory, stays on TCP.
+    pub fn offer_shm(&self, capacity: usize) {
+        for (i, lane) in self.lanes.read().iter().enumerate() {
+            let mut w = lane.writer.lock();
+            if w.seal.is_some() || w.shm.is_some() || w.failed.is_some() {
+                continue;
+            }
+            let (ring, offer) = match Outbound::create(capacity) {
+                Ok(made) => made,
+                Err(e) => {
+                    tracing::info!(peer = self.peer, "no shared memory for the link to rank {} (it stays on TCP): {e}", self.peer);
+                    return;
+                }
+            };
+            let req = SendReq {
+                header: FrameHeader { kind: FrameKind::ShmOffer as u8, nbytes: offer.len() as u64, ..Default::default() },
+                data: SendBuf { ptr: offer.as_ptr(), len: offer.len() },
+                done: None,
+            };
+            match w.write(&req) {
+                Ok(()) => w.shm = Some(ring),
+                Err(e) => tracing::info!(peer = self.peer, lane = i, "could not offer shared memory: {e}"),
+            }
+        }
+    }
+
+    /// How many lanes carry large payloads through shared memory (the peer took the offer).
+    pub fn shm_lanes(&self) -> usize {
+        self.lanes.read().iter().filter(|l| l.writer.lock().shm.as_mut().is_some_and(|r| r.accepted())).count()
     }
 
     /// Connections to the peer (a relayed link counts as one: its frames take one connection).
@@ -538,22 +576,51 @@ struct Writer {
     failed: Option<io::ErrorKind>,
     /// `PLAIT_ENCRYPT`: this lane's sending keys.
     seal: Option<Sealer>,
+    /// The lane's shared-memory ring, once offered (`PeerLink::offer_shm`).
+    shm: Option<Outbound>,
+    /// The link's shutdown flag and this lane's reader: a wait for room in the ring ends when
+    /// either says the link is over.
+    closing: Arc<AtomicBool>,
+    read: Weak<ReadSide>,
 }
 
 impl Writer {
     fn write(&mut self, req: &SendReq) -> io::Result<()> {
-        let result = match self.failed {
-            Some(kind) => Err(io::Error::new(kind, "link failed earlier")),
-            None => match &mut self.seal {
-                None => write_frame(&mut self.stream, req, &mut self.scratch),
-                Some(seal) => write_sealed(&mut self.stream, req, &mut self.scratch, seal),
-            },
+        let kind = req.header.kind;
+        let through_shm = self.seal.is_none()
+            && req.data.len > EAGER_MAX
+            && (kind == FrameKind::Data as u8 || kind == FrameKind::P2p as u8)
+            && self.shm.as_mut().is_some_and(|ring| ring.takes(req.data.len));
+        let result = match (self.failed, &mut self.seal, &mut self.shm) {
+            (Some(kind), _, _) => Err(io::Error::new(kind, "link failed earlier")),
+            (None, None, Some(ring)) if through_shm => {
+                let (closing, read) = (&self.closing, &self.read);
+                ring.put(payload_of(req), || link_over(closing, read)).and_then(|()| {
+                    let mut header = req.header;
+                    header.kind |= SHM_PAYLOAD;
+                    self.stream.write_all(&header.encode())
+                })
+            }
+            (None, None, _) => write_frame(&mut self.stream, req, &mut self.scratch),
+            (None, Some(seal), _) => write_sealed(&mut self.stream, req, &mut self.scratch, seal),
         };
         if let Err(e) = &result {
             self.failed.get_or_insert(e.kind());
         }
         self.last_tx = Instant::now();
         result
+    }
+}
+
+/// Why a sender waiting for room in its ring should stop: the link is shutting down, or the
+/// lane's reader saw the connection end (the peer is gone and will free nothing).
+fn link_over(closing: &AtomicBool, read: &Weak<ReadSide>) -> Option<io::Error> {
+    if closing.load(Ordering::Acquire) {
+        return Some(io::Error::new(io::ErrorKind::BrokenPipe, "link is shut down"));
+    }
+    match read.upgrade() {
+        Some(r) if !r.finished() => None,
+        _ => Some(io::Error::new(io::ErrorKind::BrokenPipe, "the connection ended while this rank waited for room in the shared memory")),
     }
 }
 

@@ -35,9 +35,10 @@
 //! payload's reader hands out. Records never span frames, so between frames nothing is left
 //! decrypted and the readiness rule above still holds.
 
-use super::frame::{FrameHeader, FrameKind, HEADER_LEN};
+use super::frame::{FrameHeader, FrameKind, HEADER_LEN, SHM_PAYLOAD};
 use super::peer::{Delivery, Inbox, LaneWaker, Resume};
 use super::seal::{sealed_len, Opener, RECORD_MAX};
+use super::shm::{Inbound, OFFER_MAX_BYTES};
 use super::wait::SocketWait;
 use crate::platform::socket;
 use parking_lot::{Condvar, Mutex};
@@ -102,7 +103,7 @@ impl ReadSide {
             stream,
             inbox,
             heartbeat,
-            frame_lock: Mutex::new(RxBuf { data: vec![0; RX_BUF], start: 0, end: 0, lowat: 1, open, parked: None }),
+            frame_lock: Mutex::new(RxBuf { data: vec![0; RX_BUF], start: 0, end: 0, lowat: 1, open, parked: None, shm: None }),
             caller_mode: AtomicBool::new(false),
             park: Mutex::new(()),
             unpark: Condvar::new(),
@@ -261,8 +262,8 @@ impl ReadSide {
                 if !due {
                     return true;
                 }
-                let (header, relay) = (parked.header, parked.relay);
-                if let Err(e) = self.offer(rx, header, relay, deadline) {
+                let (header, relay, in_shm) = (parked.header, parked.relay, parked.in_shm);
+                if let Err(e) = self.offer(rx, header, relay, in_shm, deadline) {
                     self.end(e);
                     return false;
                 }
@@ -311,9 +312,15 @@ impl ReadSide {
             }
         }
         rx.start += header_len;
-        let header = FrameHeader::decode(&raw)?;
+        let mut header = FrameHeader::decode(&raw)?;
+        let in_shm = header.kind & SHM_PAYLOAD != 0;
+        header.kind &= !SHM_PAYLOAD;
         self.touch();
-        match FrameKind::from_u8(header.kind) {
+        let kind = FrameKind::from_u8(header.kind);
+        if in_shm && !matches!(kind, Some(FrameKind::Data | FrameKind::P2p)) {
+            return Err(io::Error::new(io::ErrorKind::InvalidData, format!("it sent a frame of kind {} through shared memory", header.kind)));
+        }
+        match kind {
             Some(FrameKind::Heartbeat) if header.nbytes == 0 => return Ok(()),
             // Unread, its payload would be taken for the next header: a frame hidden inside.
             Some(FrameKind::Heartbeat) => {
@@ -323,11 +330,32 @@ impl ReadSide {
             Some(FrameKind::Close) if header.group == 0 => self.closed_cleanly.store(true, Ordering::Release),
             Some(FrameKind::Relay) => {
                 let (origin, dest, inner) = self.open_envelope(rx, &header, wait)?;
-                return self.offer(rx, inner, Some((origin, dest)), deadline);
+                return self.offer(rx, inner, Some((origin, dest)), false, deadline);
             }
+            Some(FrameKind::ShmOffer) => return self.take_shm_offer(rx, &header, wait),
             _ => {}
         }
-        self.offer(rx, header, None, deadline)
+        self.offer(rx, header, None, in_shm, deadline)
+    }
+
+    /// Maps the ring of shared memory the peer offers for this lane's large payloads (see
+    /// `shm`). One that cannot be mapped is declined by leaving it unmarked: the peer then keeps
+    /// sending over TCP. A sealed lane declines every offer, so nothing it carries bypasses the
+    /// encryption.
+    fn take_shm_offer(&self, rx: &mut RxBuf, header: &FrameHeader, wait: Wait) -> io::Result<()> {
+        if header.nbytes > OFFER_MAX_BYTES {
+            return Err(io::Error::new(io::ErrorKind::InvalidData, format!("it sent a shared-memory offer of {} bytes", header.nbytes)));
+        }
+        let mut offer = vec![0u8; header.nbytes as usize];
+        Payload { rx, stream: &self.stream, wait, left: header.nbytes, side: self }.read_exact(&mut offer)?;
+        if rx.open.is_some() || rx.shm.is_some() {
+            return Ok(());
+        }
+        match Inbound::accept(&offer) {
+            Ok(ring) => rx.shm = Some(ring),
+            Err(e) => tracing::info!(peer = self.peer, "declined rank {}'s shared memory (the link stays on TCP): {e}", self.peer),
+        }
+        Ok(())
     }
 
     /// Reads the header of the frame inside relay envelope `outer`: (sender, rank it is for, header).
@@ -354,7 +382,11 @@ impl ReadSide {
     /// Hands the frame whose header was just read (or that was parked) to the inbox: it is read
     /// whole, or parked (see the module doc).
     /// `relay`: the frame came in a relay envelope (sender, rank it is for); its header was read.
-    fn offer(&self, rx: &mut RxBuf, header: FrameHeader, relay: Option<(usize, usize)>, deadline: Option<Instant>) -> io::Result<()> {
+    /// `in_shm`: its payload is in the lane's shared-memory ring, not on the socket.
+    fn offer(&self, rx: &mut RxBuf, header: FrameHeader, relay: Option<(usize, usize)>, in_shm: bool, deadline: Option<Instant>) -> io::Result<()> {
+        if in_shm {
+            return self.offer_from_shm(rx, header);
+        }
         let wait = match deadline {
             Some(d) => Wait::Until(d),
             None => Wait::Forever,
@@ -373,7 +405,7 @@ impl ReadSide {
                 if left != header.nbytes {
                     return Err(io::Error::other("internal error: a frame was parked after part of it was read"));
                 }
-                rx.parked = Some(Parked { header, relay, until });
+                rx.parked = Some(Parked { header, relay, until, in_shm: false });
                 if !was_parked {
                     self.hold_back(true);
                 }
@@ -386,6 +418,35 @@ impl ReadSide {
             // Only a read that failed part-way leaves payload behind: the link went down mid-frame.
             return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "the connection closed in the middle of a message"));
         }
+        Ok(())
+    }
+
+    /// `offer` for a frame whose payload is the next one in the lane's ring: read from there,
+    /// and its room freed once taken. A parked frame's payload stays where it is, and so does
+    /// everything the sender placed after it.
+    fn offer_from_shm(&self, rx: &mut RxBuf, header: FrameHeader) -> io::Result<()> {
+        let was_parked = rx.parked.take().is_some();
+        let ring = rx.shm.as_mut().ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, "it sent a payload through shared memory it never offered"))?;
+        let mut payload = ring.next(header.nbytes)?;
+        let delivered = self.inbox.deliver(self.peer, &header, &mut payload, Some(&self.waker))?;
+        match delivered {
+            Delivery::Parked { until } => {
+                if payload.left() != header.nbytes {
+                    return Err(io::Error::other("internal error: a frame was parked after part of it was read"));
+                }
+                rx.parked = Some(Parked { header, relay: None, until, in_shm: true });
+                if !was_parked {
+                    self.hold_back(true);
+                }
+                return Ok(());
+            }
+            Delivery::Taken if was_parked => self.hold_back(false),
+            Delivery::Taken => {}
+        }
+        if payload.left() != 0 {
+            return Err(io::Error::other("internal error: a payload in shared memory was taken but not read to its end"));
+        }
+        ring.consumed(&payload);
         Ok(())
     }
 
@@ -432,6 +493,8 @@ pub(super) struct RxBuf {
     open: Option<Box<Unsealing>>,
     /// The frame the inbox could not take yet (its payload not read at all).
     parked: Option<Parked>,
+    /// The ring of shared memory the peer sends this lane's large payloads through (`shm`).
+    shm: Option<Inbound>,
 }
 
 struct Parked {
@@ -440,6 +503,8 @@ struct Parked {
     relay: Option<(usize, usize)>,
     /// When to offer it again even if the lane is not woken.
     until: Instant,
+    /// Its payload is in the lane's shared-memory ring.
+    in_shm: bool,
 }
 
 /// The inbox can take a parked frame now (or it should look again): offer it on the receiver
@@ -697,6 +762,48 @@ mod tests {
         deaf.store(true, Ordering::SeqCst);
         side.wake();
         drop(tx);
+        thread.join().unwrap();
+    }
+    /// What a lane's reader makes of shared-memory frames it cannot take: an offer naming no
+    /// region is declined and the lane goes on over TCP; a payload announced in a ring that was
+    /// never offered ends the link with an error that says so.
+    #[test]
+    fn shared_memory_a_lane_cannot_take_is_declined_or_named() {
+        struct Seen(crossbeam_channel::Sender<Result<Vec<u8>, String>>);
+        impl Inbox for Seen {
+            fn deliver(&self, _peer: usize, h: &FrameHeader, payload: &mut dyn Read, _lane: Option<&LaneWaker>) -> io::Result<Delivery> {
+                let mut v = vec![0u8; h.nbytes as usize];
+                payload.read_exact(&mut v)?;
+                let _ = self.0.send(Ok(v));
+                Ok(Delivery::Taken)
+            }
+            fn link_down(&self, _peer: usize, error: io::Error, _clean: bool) {
+                let _ = self.0.send(Err(error.to_string()));
+            }
+        }
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let mut tx = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let (rx_stream, _) = listener.accept().unwrap();
+        let (seen_tx, seen) = crossbeam_channel::unbounded();
+        let deaf = Arc::new(AtomicBool::new(false));
+        let side = ReadSide::new(1, rx_stream, Arc::new(Seen(seen_tx)), Duration::from_secs(1), Arc::new(AtomicU64::new(0)), Instant::now(), deaf, None).unwrap();
+        let runner = side.clone();
+        let thread = std::thread::spawn(move || runner.run());
+        let mut offer = 4096u64.to_le_bytes().to_vec();
+        offer.extend_from_slice(&[9u8; 16]);
+        offer.extend_from_slice(b"plait-00000000deadbeef");
+        let frame = |kind: u8, payload: &[u8]| {
+            let mut v = FrameHeader { kind, nbytes: payload.len() as u64, ..Default::default() }.encode().to_vec();
+            v.extend_from_slice(payload);
+            v
+        };
+        tx.write_all(&frame(FrameKind::ShmOffer as u8, &offer)).unwrap();
+        tx.write_all(&frame(FrameKind::P2p as u8, b"hello")).unwrap();
+        assert_eq!(seen.recv_timeout(Duration::from_secs(3)).unwrap(), Ok(b"hello".to_vec()));
+        let header = FrameHeader { kind: FrameKind::P2p as u8 | SHM_PAYLOAD, nbytes: 100_000, ..Default::default() };
+        tx.write_all(&header.encode()).unwrap();
+        let err = seen.recv_timeout(Duration::from_secs(3)).unwrap().unwrap_err();
+        assert!(err.contains("never offered"), "{err}");
         thread.join().unwrap();
     }
 }

@@ -7,8 +7,10 @@
 //! - `link`: an interface's link speed and MTU.
 //! - `sockbuf`: the socket-buffer autotuning maxima and the system cap.
 //! - `host`: an identity of this host (one kernel boot, one network stack) for same-host routes.
+//! - `shm`: memory two processes of one host share, under a name one gives the other.
 
 pub mod host;
 pub mod link;
+pub mod shm;
 pub mod sockbuf;
 pub mod socket;

@@ -7,7 +7,7 @@
 use super::demux::Demux;
 use super::groups::Groups;
 use super::mailbox::{Mailbox, MIN_UNEXPECTED_BYTES};
-use crate::net::frame::{FrameHeader, FrameKind, HEADER_LEN};
+use crate::net::frame::{FrameHeader, FrameKind, HEADER_LEN, SHM_PAYLOAD};
 use crate::net::peer::{Delivery, Inbox, LaneWaker, Resume};
 use proptest::prelude::*;
 use std::io::Read;
@@ -46,6 +46,9 @@ fn read_link(demux: &Demux, mailbox: &Mailbox, stream: &[u8]) -> usize {
         let Ok(h) = FrameHeader::decode(&raw) else { break };
         if h.kind == FrameKind::Heartbeat as u8 && h.nbytes != 0 {
             break; // the reader refuses these before the demux sees them
+        }
+        if h.kind & SHM_PAYLOAD != 0 || h.kind == FrameKind::ShmOffer as u8 {
+            break; // the reader takes these itself (net::shm); the demux never sees them
         }
         let before = rest.len();
         let mut payload = (&mut rest).take(h.nbytes);

@@ -1,0 +1,317 @@
+//! Payloads through shared memory between two ranks of one host (`PLAIT_SHM_BYTES`).
+//!
+//! Over loopback TCP every byte is copied into the kernel and out again, with per-packet work on
+//! both sides; on a machine with few cores that, not memory, bounds a large collective. A lane
+//! between ranks of one host may instead carry large payloads through a ring of shared memory,
+//! one per direction: the sender copies the payload into the ring and then writes the frame's
+//! header on the lane as before, marked `SHM_PAYLOAD`; the receiver, reading that header, lands
+//! the payload straight from the ring and frees its room. Everything else stays as it is: headers,
+//! order, matching, parking (a parked frame's payload just waits in the ring), heartbeats, and
+//! failure (the TCP connection still says when a peer is gone).
+//!
+//! Setting a ring up takes no round trip. The sender creates it (`Outbound::create`) and writes
+//! an offer frame (`FrameKind::ShmOffer`: the region's name, a random nonce, the capacity) on
+//! the lane; the receiver's reader maps it (`Inbound::accept`), checks the nonce the sender wrote
+//! in the region, removes the name, and marks the region accepted. The sender uses the ring from
+//! the first frame after it sees that mark. A receiver that cannot map it (another `/dev/shm`,
+//! a platform without shared memory) leaves it unmarked, and the lane stays on TCP.
+//!
+//! The ring is a byte FIFO with two counters that only grow: `head` (bytes the sender has
+//! placed) and `tail` (bytes the receiver has freed). A payload is never split: one that does
+//! not fit before the ring's end starts at its beginning, and both sides compute that place from
+//! their own counter (`place`), since both see the frames in one order. The sender waits for
+//! room by polling `tail` (sleeping a little longer each time, up to 1 ms): the ring holds several
+//! segments, so it waits only when the receiver falls behind, as a full socket would make it.
+
+use crate::platform::shm::Region;
+use std::io;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+/// The region starts with this header; payloads start at `DATA`.
+const MAGIC: u64 = u64::from_le_bytes(*b"PLTRING1");
+const MAGIC_AT: usize = 0;
+const NONCE_AT: usize = 8;
+const CAPACITY_AT: usize = 24;
+/// Counters on cache lines of their own: the receiver writes `ACCEPTED` and `TAIL`, the sender
+/// `HEAD`.
+const ACCEPTED_AT: usize = 64;
+const HEAD_AT: usize = 128;
+const TAIL_AT: usize = 192;
+const DATA: usize = 4096;
+
+/// The longest offer payload a reader takes (a name, a nonce, a capacity).
+pub const OFFER_MAX_BYTES: u64 = 128;
+
+struct Ring {
+    region: Region,
+    capacity: u64,
+}
+
+impl Ring {
+    fn counter(&self, at: usize) -> &AtomicU64 {
+        // SAFETY: `at` is an 8-aligned offset inside the header page of a live, page-aligned
+        // mapping; the peer only ever touches these words atomically.
+        unsafe { &*(self.region.as_ptr().add(at) as *const AtomicU64) }
+    }
+
+    fn data(&self) -> *mut u8 {
+        // SAFETY: the mapping is DATA + capacity bytes long.
+        unsafe { self.region.as_ptr().add(DATA) }
+    }
+}
+
+/// Where a payload of `n` bytes goes when the ring's counter is at `pos`: there, or at the
+/// ring's start when it would run past the end.
+fn place(pos: u64, n: u64, capacity: u64) -> u64 {
+    let off = pos % capacity;
+    if off + n > capacity {
+        pos + (capacity - off)
+    } else {
+        pos
+    }
+}
+
+/// The sending end of one lane's ring.
+pub struct Outbound {
+    ring: Ring,
+    head: u64,
+    accepted: bool,
+}
+
+impl Outbound {
+    /// A ring that carries payloads of up to `capacity` bytes, and the offer to send the peer.
+    pub fn create(capacity: usize) -> io::Result<(Outbound, Vec<u8>)> {
+        let region = Region::create(DATA + capacity)?;
+        let mut nonce = [0u8; 16];
+        getrandom::fill(&mut nonce).map_err(|e| io::Error::other(format!("no random nonce: {e}")))?;
+        // SAFETY: the header lies inside the fresh mapping, which nobody else has mapped yet.
+        unsafe {
+            let p = region.as_ptr();
+            std::ptr::copy_nonoverlapping(nonce.as_ptr(), p.add(NONCE_AT), 16);
+            (p.add(CAPACITY_AT) as *mut u64).write((capacity as u64).to_le());
+            (p.add(MAGIC_AT) as *mut u64).write(MAGIC.to_le());
+        }
+        let mut offer = Vec::with_capacity(64);
+        offer.extend_from_slice(&(capacity as u64).to_le_bytes());
+        offer.extend_from_slice(&nonce);
+        offer.extend_from_slice(region.name().as_bytes());
+        let ring = Ring { region, capacity: capacity as u64 };
+        Ok((Outbound { ring, head: 0, accepted: false }, offer))
+    }
+
+    /// Whether a payload of `n` bytes may go through the ring now: the peer has accepted it
+    /// and the payload fits.
+    pub fn takes(&mut self, n: usize) -> bool {
+        n as u64 <= self.ring.capacity && self.accepted()
+    }
+
+    /// Whether the peer has mapped the ring.
+    pub fn accepted(&mut self) -> bool {
+        if !self.accepted && self.ring.counter(ACCEPTED_AT).load(Ordering::Acquire) == 1 {
+            self.accepted = true;
+            // Both ends have it mapped: the name is no longer needed.
+            self.ring.region.unlink();
+        }
+        self.accepted
+    }
+
+    /// Copies `payload` into the ring once there is room, and publishes it. `stopped` is asked
+    /// while waiting; its error ends the wait (the link is shutting down or the peer is gone).
+    pub fn put(&mut self, payload: &[u8], stopped: impl Fn() -> Option<io::Error>) -> io::Result<()> {
+        let n = payload.len() as u64;
+        let start = place(self.head, n, self.ring.capacity);
+        let tail = self.ring.counter(TAIL_AT);
+        let mut nap = Duration::from_micros(5);
+        // Room: the bytes from the oldest unread one to this payload's end fit in the ring, or
+        // nothing is unread (then the stretch skipped at the ring's end does not count).
+        let room = |tail: u64| tail == self.head || start + n - tail <= self.ring.capacity;
+        while !room(tail.load(Ordering::Acquire)) {
+            if let Some(e) = stopped() {
+                return Err(e);
+            }
+            std::thread::sleep(nap);
+            nap = (nap * 2).min(Duration::from_micros(100));
+        }
+        // SAFETY: start % capacity + n <= capacity (`place`), and the receiver has freed these
+        // bytes (tail), so nobody reads them until `head` says so.
+        unsafe { std::ptr::copy_nonoverlapping(payload.as_ptr(), self.ring.data().add((start % self.ring.capacity) as usize), payload.len()) };
+        self.head = start + n;
+        self.ring.counter(HEAD_AT).store(self.head, Ordering::Release);
+        Ok(())
+    }
+}
+
+impl Drop for Outbound {
+    fn drop(&mut self) {
+        // A peer that never mapped the ring leaves its name behind otherwise.
+        self.ring.region.unlink();
+    }
+}
+
+/// The receiving end of one lane's ring.
+pub struct Inbound {
+    ring: Ring,
+    pos: u64,
+}
+
+impl Inbound {
+    /// Maps the ring `offer` names, checks it is the one the sender made, and accepts it.
+    pub fn accept(offer: &[u8]) -> io::Result<Inbound> {
+        let bad = |why: &str| io::Error::new(io::ErrorKind::InvalidData, format!("a shared-memory offer {why}"));
+        if offer.len() < 24 || offer.len() as u64 > OFFER_MAX_BYTES {
+            return Err(bad(&format!("of {} bytes", offer.len())));
+        }
+        let capacity = u64::from_le_bytes(offer[..8].try_into().unwrap());
+        if !(1..=1 << 40).contains(&capacity) {
+            return Err(bad(&format!("of {capacity} bytes")));
+        }
+        let name = std::str::from_utf8(&offer[24..]).map_err(|_| bad("whose name is not UTF-8"))?;
+        let region = Region::open(name, DATA + capacity as usize)?;
+        // SAFETY: the header lies inside the mapping; the sender wrote it before offering.
+        let (magic, nonce, cap) = unsafe {
+            let p = region.as_ptr();
+            let mut nonce = [0u8; 16];
+            std::ptr::copy_nonoverlapping(p.add(NONCE_AT), nonce.as_mut_ptr(), 16);
+            (u64::from_le((p.add(MAGIC_AT) as *const u64).read()), nonce, u64::from_le((p.add(CAPACITY_AT) as *const u64).read()))
+        };
+        if magic != MAGIC || nonce[..] != offer[8..24] || cap != capacity {
+            return Err(bad(&format!("names {name}, which holds another ring")));
+        }
+        let ring = Ring { region, capacity };
+        ring.region.unlink();
+        ring.counter(ACCEPTED_AT).store(1, Ordering::Release);
+        Ok(Inbound { ring, pos: 0 })
+    }
+
+    /// The next payload, of `n` bytes, as the sender placed it.
+    /// The payload's bytes stay valid while this end lives and until `consumed`.
+    pub fn next(&self, n: u64) -> io::Result<ShmPayload> {
+        let bad = |why: String| io::Error::new(io::ErrorKind::InvalidData, why);
+        if n > self.ring.capacity {
+            return Err(bad(format!("it sent a {n}-byte payload through a shared-memory ring of {} bytes", self.ring.capacity)));
+        }
+        let start = place(self.pos, n, self.ring.capacity);
+        let head = self.ring.counter(HEAD_AT).load(Ordering::Acquire);
+        if head < start + n {
+            return Err(bad(format!("it announced {n} bytes in shared memory that it had not placed there (ring at {start}, filled to {head})")));
+        }
+        // SAFETY: inside the data area (`place`); the sender published these bytes (head).
+        let at = unsafe { self.ring.data().add((start % self.ring.capacity) as usize) };
+        Ok(ShmPayload { at, left: n as usize, end: start + n })
+    }
+
+    /// Frees the room of a payload read to its end.
+    pub fn consumed(&mut self, payload: &ShmPayload) {
+        debug_assert_eq!(payload.left, 0);
+        self.pos = payload.end;
+        self.ring.counter(TAIL_AT).store(self.pos, Ordering::Release);
+    }
+}
+
+/// A payload in the ring, read like the socket's.
+pub struct ShmPayload {
+    at: *const u8,
+    left: usize,
+    /// The ring's counter after this payload.
+    end: u64,
+}
+
+impl ShmPayload {
+    pub fn left(&self) -> u64 {
+        self.left as u64
+    }
+}
+
+impl io::Read for ShmPayload {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let n = buf.len().min(self.left);
+        // SAFETY: `at` has `left` bytes the sender published and will not touch before `tail`
+        // passes them; ptr::copy reads them without forming a reference to shared memory.
+        unsafe {
+            std::ptr::copy_nonoverlapping(self.at, buf.as_mut_ptr(), n);
+            self.at = self.at.add(n);
+        }
+        self.left -= n;
+        Ok(n)
+    }
+}
+
+#[cfg(all(test, unix))]
+mod tests {
+    use super::*;
+    use std::io::Read;
+
+    fn pair(capacity: usize) -> (Outbound, Inbound) {
+        let (mut out, offer) = Outbound::create(capacity).unwrap();
+        assert!(!out.takes(1), "nothing goes through a ring before the peer accepts it");
+        let inb = Inbound::accept(&offer).unwrap();
+        assert!(out.takes(capacity) && !out.takes(capacity + 1));
+        (out, inb)
+    }
+
+    fn take(inb: &mut Inbound, n: usize) -> Vec<u8> {
+        let mut p = inb.next(n as u64).unwrap();
+        let mut v = vec![0; n];
+        p.read_exact(&mut v).unwrap();
+        inb.consumed(&p);
+        v
+    }
+
+    #[test]
+    fn payloads_come_out_in_order_across_the_ring_end() {
+        let (mut out, mut inb) = pair(1000);
+        for round in 0..50u32 {
+            let sizes = [300usize, 450, 1000, 7, 0, 640];
+            for (i, &n) in sizes.iter().enumerate() {
+                let v: Vec<u8> = (0..n).map(|k| (k as u32 * 31 + round * 7 + i as u32) as u8).collect();
+                out.put(&v, || None).unwrap();
+                assert_eq!(take(&mut inb, n), v, "round {round}, payload {i}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_full_ring_makes_the_sender_wait_until_the_receiver_frees_room() {
+        let (mut out, mut inb) = pair(1000);
+        out.put(&[1; 600], || None).unwrap();
+        let t = std::thread::spawn(move || {
+            out.put(&[2; 600], || None).unwrap();
+            out
+        });
+        std::thread::sleep(Duration::from_millis(50));
+        assert!(!t.is_finished(), "the second payload needs the first one's room");
+        assert_eq!(take(&mut inb, 600), vec![1; 600]);
+        t.join().unwrap();
+        assert_eq!(take(&mut inb, 600), vec![2; 600]);
+    }
+
+    #[test]
+    fn a_wait_for_room_ends_when_the_link_stops() {
+        let (mut out, _inb) = pair(1000);
+        out.put(&[1; 800], || None).unwrap();
+        let err = out.put(&[2; 800], || Some(io::Error::new(io::ErrorKind::BrokenPipe, "gone"))).unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::BrokenPipe);
+    }
+
+    #[test]
+    fn an_announced_payload_that_was_never_placed_is_an_error_not_garbage() {
+        let (_out, inb) = pair(1000);
+        let err = inb.next(10).err().unwrap();
+        assert!(err.to_string().contains("had not placed"), "{err}");
+        assert!(inb.next(1001).is_err());
+    }
+
+    #[test]
+    fn offers_for_other_rings_are_refused() {
+        let (_a, offer_a) = Outbound::create(4096).unwrap();
+        let (_b, offer_b) = Outbound::create(4096).unwrap();
+        let mut forged = offer_a[..24].to_vec();
+        forged.extend_from_slice(&offer_b[24..]);
+        assert!(Inbound::accept(&forged).err().unwrap().to_string().contains("another ring"));
+        assert!(Inbound::accept(&offer_a[..10]).is_err());
+        let mut gone = offer_a.clone();
+        gone[24..].copy_from_slice(b"plait-0000000000000000");
+        assert!(Inbound::accept(&gone).is_err());
+    }
+}
