@@ -801,7 +801,8 @@ fn payloads_through_shared_memory_land_exactly_as_over_tcp() {
             },
         );
         for (r, (lanes, errs)) in results.iter().enumerate() {
-            assert_eq!(lanes, &vec![usize::from(shm > 0); n - 1], "rank {r}'s links with shm_bytes={shm}");
+            // Windows has no shared memory between processes here: its links stay on TCP.
+            assert_eq!(lanes, &vec![usize::from(shm > 0 && cfg!(unix)); n - 1], "rank {r}'s links with shm_bytes={shm}");
             assert!(errs.is_empty(), "{errs:?}");
         }
     }
@@ -823,7 +824,7 @@ fn a_sender_waiting_for_room_in_shared_memory_fails_naming_the_rank_that_aborted
         |comm| {
             let buf = |v: &mut Vec<u8>| RawBuf { ptr: v.as_mut_ptr(), len: v.len() };
             if comm.rank() == 0 {
-                assert_eq!(comm.routes()[0].shm_lanes, 1);
+                assert_eq!(comm.routes()[0].shm_lanes, usize::from(cfg!(unix)));
                 let t = Instant::now();
                 let mut msgs: Vec<Vec<u8>> = (0..20).map(|k| vec![k as u8; 200_000]).collect();
                 let works: Vec<_> = msgs.iter_mut().map(|m| unsafe { comm.send(buf(m), DType::U8, 1, 3, None, false) }.unwrap()).collect();
