@@ -14,8 +14,8 @@ CLI = [sys.executable, "-m", "plait.tools.cli"]
 BOX = set("│┃━─┏┡└┼╇")  # rich's table borders
 
 
-def _plait(args, *, timeout=120, no_rich=None, cwd=None):
-    env = dict(os.environ, COLUMNS="120")
+def _plait(args, *, timeout=120, no_rich=None, cwd=None, env=None):
+    env = dict(os.environ, COLUMNS="120", **(env or {}))
     if no_rich is not None:  # a `rich` module that cannot be imported, in this process and its children
         no_rich.mkdir(exist_ok=True)
         (no_rich / "rich.py").write_text("raise ImportError('rich is hidden for this test')\n")
@@ -58,6 +58,18 @@ def test_doctor_json_to_stdout_or_a_file_and_no_direct_link_warning_on_one_host(
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "Routes" in proc.stdout and "direct" not in proc.stdout, proc.stdout
     assert json.loads(path.read_text())["world_size"] == 2
+
+
+def test_doctor_says_which_links_carry_payloads_in_shared_memory():
+    """Ranks of one host pass large payloads through shared memory (Windows: TCP only), and the
+    doctor says so per route; with PLAIT_SHM_BYTES=0 no route does."""
+    for setting, want in (("4194304", sys.platform != "win32"), ("0", False)):
+        proc = _plait(["doctor", "--local", "2", "--no-bandwidth", "--json", "-"], env={"PLAIT_SHM_BYTES": setting})
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        routes = json.loads(proc.stdout)["routes"]
+        assert [r["shared_memory"] for r in routes] == [want, want], (setting, routes)
+    proc = _plait(["doctor", "--local", "2", "--no-bandwidth"])
+    assert ("in shared memory" in proc.stdout) == (sys.platform != "win32"), proc.stdout[-3000:]
 
 
 def test_doctor_measure_shows_the_matrix_start_up_measured():

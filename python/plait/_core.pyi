@@ -37,6 +37,7 @@ class RouteInfo(TypedDict):
     max_streams: int  # the most connections start-up could open to this peer (PLAIT_STREAMS_MAX)
     rx_bytes_per_s: Optional[float]  # bytes/s from the peer to this rank, measured at start-up (PLAIT_MEASURE)
     via: Optional[int]  # the rank this link's frames go through, for a peer this rank cannot connect to (PLAIT_RELAY)
+    shm_lanes: int  # connections whose payloads over 64 KiB go through shared memory (PLAIT_SHM_BYTES, ranks of one host)
 
 class InterfaceInfo(TypedDict):
     name: str

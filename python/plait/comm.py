@@ -160,8 +160,9 @@ class Communicator:
 
     def routes(self) -> List[Dict[str, Any]]:
         """Per peer: the local and remote address and interface used, why, the start-up RTT, the
-        number of TCP streams (`PLAIT_STREAMS`) and the rate measured from that peer (`rx_bytes_per_s`,
-        bytes/s; None unless the links were measured, `PLAIT_MEASURE`)."""
+        number of TCP streams (`PLAIT_STREAMS`), the rate measured from that peer (`rx_bytes_per_s`,
+        bytes/s; None unless the links were measured, `PLAIT_MEASURE`), and whether large payloads go
+        through shared memory (`shm_lanes`: 1 between ranks of one host, `PLAIT_SHM_BYTES`)."""
         return self._comm.routes()
 
     def ring_order(self) -> List[int]:

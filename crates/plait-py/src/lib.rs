@@ -635,6 +635,7 @@ impl PyComm {
                 d.set_item("max_streams", r.max_streams)?;
                 d.set_item("rx_bytes_per_s", r.rx_bytes_per_s)?;
                 d.set_item("via", r.via)?;
+                d.set_item("shm_lanes", r.shm_lanes)?;
                 Ok(d)
             })
             .collect()

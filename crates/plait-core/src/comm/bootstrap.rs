@@ -18,7 +18,7 @@ use crate::net::frame::{PING_TAG, PONG_TAG, PROBE_AGAIN_TAG, PROBE_TAG};
 use crate::net::handshake::Hello;
 use crate::net::iface::{list_interfaces, IfaceAddr};
 use crate::net::listener::Listener;
-use crate::net::peer::PeerLink;
+use crate::net::peer::{PeerLink, SOCKET_ONLY_BYTES};
 use crate::net::route::{candidate_routes, listen_addrs, prefer_dedicated, IfaceFilter, Route};
 use crate::platform::host::{self, same_host};
 use crate::raw::RawBuf;
@@ -263,15 +263,17 @@ pub(crate) fn bootstrap_from(store: &dyn Store, cfg: &CommConfig, kept: Option<K
     let session = Arc::new(session);
     demux.attach(&session);
     let all_links = connected.and_then(|infos| {
-        if cfg.shm_bytes > 0 {
+        // A ring no larger than the payloads that always go on the socket would never be used.
+        if cfg.shm_bytes > SOCKET_ONLY_BYTES {
             for r in routes.iter().filter(|r| r.same_host && r.via.is_none()) {
                 session.link(r.peer).offer_shm(cfg.shm_bytes);
             }
         }
         let rtts = probe(&session, plan.deadline)?;
-        // The probes went after the offers on each lane, so their answers mean the offers were read.
+        // The probes went on the first connection after the offers, so their answers mean the
+        // offers were read: taken, or declined for good.
         for r in routes.iter_mut() {
-            r.shm_lanes = if r.via.is_none() { session.link(r.peer).shm_lanes() } else { 0 };
+            r.shm_lanes = if r.via.is_none() { session.link(r.peer).settle_shm() } else { 0 };
         }
         size_buffers(&session, &me.addrs, &mut routes, &rtts);
         for r in routes.iter_mut() {

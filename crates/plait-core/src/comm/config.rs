@@ -228,7 +228,7 @@ pub const SETTINGS: &[Setting] = &[
         name: "PLAIT_SHM_BYTES",
         kind: "bytes",
         default: "4194304",
-        doc: "Shared memory per direction of each link between ranks of one host: payloads over 64 KiB and up to this size go through it instead of loopback TCP (Linux /dev/shm, macOS shm_open; elsewhere, with PLAIT_ENCRYPT=1, or 0: TCP only).",
+        doc: "Shared memory per direction of each link between ranks of one host: payloads over 64 KiB and up to this size go through it instead of loopback TCP (Linux /dev/shm, macOS shm_open; elsewhere, with PLAIT_ENCRYPT=1, or up to 65536: TCP only).",
         range: Some(SHM_BYTES),
     },
     Setting {

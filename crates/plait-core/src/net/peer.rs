@@ -22,7 +22,10 @@ use std::time::{Duration, Instant};
 
 /// Payloads up to this size are copied next to their header and written with one syscall:
 /// one packet for small messages instead of two.
-pub(super) const EAGER_MAX: usize = 64 * 1024;
+const EAGER_MAX: usize = 64 * 1024;
+/// Payloads up to this size always go on the socket, even to a rank of this host (`shm`): copied
+/// next to their header, they cost one write either way.
+pub const SOCKET_ONLY_BYTES: usize = EAGER_MAX;
 
 /// Receives what a peer sends: implemented by the session's `Demux`, which routes each frame.
 pub trait Inbox: Send + Sync {
@@ -287,37 +290,49 @@ impl PeerLink {
         Ok(started)
     }
 
-    /// Offers the peer, a rank of this host, a ring of `capacity` bytes of shared memory per lane
-    /// for the lane's large payloads (see `shm`). A lane uses it once the peer has mapped it; a
-    /// sealed lane, or a system without shared memory, stays on TCP.
+    /// Offers the peer, a rank of this host, a ring of `capacity` bytes of shared memory for the
+    /// large payloads of the link's first connection (see `shm`). The connection uses it once the
+    /// peer has mapped it; a sealed link, or a system without shared memory, stays on TCP.
     pub fn offer_shm(&self, capacity: usize) {
-        for (i, lane) in self.lanes.read().iter().enumerate() {
-            let mut w = lane.writer.lock();
-            if w.seal.is_some() || w.shm.is_some() || w.failed.is_some() {
-                continue;
+        let lanes = self.lanes.read();
+        let Some(lane) = lanes.first() else { return };
+        let mut w = lane.writer.lock();
+        if w.seal.is_some() || w.shm.is_some() || w.failed.is_some() {
+            return;
+        }
+        let (ring, offer) = match Outbound::create(capacity) {
+            Ok(made) => made,
+            Err(e) => {
+                tracing::info!(peer = self.peer, "no {capacity}-byte ring of shared memory for the link to rank {} (it stays on TCP): {e}", self.peer);
+                return;
             }
-            let (ring, offer) = match Outbound::create(capacity) {
-                Ok(made) => made,
-                Err(e) => {
-                    tracing::info!(peer = self.peer, "no shared memory for the link to rank {} (it stays on TCP): {e}", self.peer);
-                    return;
-                }
-            };
-            let req = SendReq {
-                header: FrameHeader { kind: FrameKind::ShmOffer as u8, nbytes: offer.len() as u64, ..Default::default() },
-                data: SendBuf { ptr: offer.as_ptr(), len: offer.len() },
-                done: None,
-            };
-            match w.write(&req) {
-                Ok(()) => w.shm = Some(ring),
-                Err(e) => tracing::info!(peer = self.peer, lane = i, "could not offer shared memory: {e}"),
-            }
+        };
+        let req = SendReq {
+            header: FrameHeader { kind: FrameKind::ShmOffer as u8, nbytes: offer.len() as u64, ..Default::default() },
+            data: SendBuf { ptr: offer.as_ptr(), len: offer.len() },
+            done: None,
+        };
+        match w.write(&req) {
+            Ok(()) => w.shm = Some(ring),
+            Err(e) => tracing::info!(peer = self.peer, "could not offer shared memory to rank {}: {e}", self.peer),
         }
     }
 
-    /// How many lanes carry large payloads through shared memory (the peer took the offer).
-    pub fn shm_lanes(&self) -> usize {
-        self.lanes.read().iter().filter(|l| l.writer.lock().shm.as_mut().is_some_and(|r| r.accepted())).count()
+    /// Once the peer has answered a probe sent after `offer_shm`: drops a ring it did not take (its
+    /// name goes with it, so nothing is left in /dev/shm), and says how many connections carry
+    /// payloads through shared memory (0 or 1).
+    pub fn settle_shm(&self) -> usize {
+        let lanes = self.lanes.read();
+        let Some(lane) = lanes.first() else { return 0 };
+        let mut w = lane.writer.lock();
+        match w.shm.as_mut().map(|r| r.accepted()) {
+            Some(true) => 1,
+            Some(false) => {
+                w.shm = None;
+                0
+            }
+            None => 0,
+        }
     }
 
     /// Connections to the peer (a relayed link counts as one: its frames take one connection).
@@ -588,7 +603,7 @@ impl Writer {
     fn write(&mut self, req: &SendReq) -> io::Result<()> {
         let kind = req.header.kind;
         let through_shm = self.seal.is_none()
-            && req.data.len > EAGER_MAX
+            && req.data.len > SOCKET_ONLY_BYTES
             && (kind == FrameKind::Data as u8 || kind == FrameKind::P2p as u8)
             && self.shm.as_mut().is_some_and(|ring| ring.takes(req.data.len));
         let result = match (self.failed, &mut self.seal, &mut self.shm) {
@@ -619,7 +634,7 @@ fn link_over(closing: &AtomicBool, read: &Weak<ReadSide>) -> Option<io::Error> {
         return Some(io::Error::new(io::ErrorKind::BrokenPipe, "link is shut down"));
     }
     match read.upgrade() {
-        Some(r) if !r.finished() => None,
+        Some(r) if !r.ended() => None,
         _ => Some(io::Error::new(io::ErrorKind::BrokenPipe, "the connection ended while this rank waited for room in the shared memory")),
     }
 }

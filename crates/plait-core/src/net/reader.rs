@@ -23,7 +23,8 @@
 //! reading a byte of the payload. The lane then keeps the frame's header and reads nothing more:
 //! the receiver thread sleeps instead of waiting for the socket, and the lane leaves the callers'
 //! poll (its socket stays readable, which would wake every wait). The payload waits in the
-//! kernel's socket buffer, so TCP flow control stops the sender. Whoever can take the frame later
+//! kernel's socket buffer, so TCP flow control stops the sender (or, sent through shared memory,
+//! in the lane's ring, whose room the sender then waits for: see `shm`). Whoever can take the frame later
 //! (a receive posted, room freed) wakes the lane through its `LaneWaker`; the receiver thread
 //! then offers the frame again (in either mode: a caller's wait never blocks on a parked frame,
 //! and the caller that posts the receive need not read it itself). Past the parked deadline the
@@ -142,6 +143,11 @@ impl ReadSide {
     /// Whether a caller may poll and read this link now.
     pub fn readable_by_caller(&self) -> bool {
         self.caller_mode.load(Ordering::Acquire) && !self.finished()
+    }
+
+    /// The connection ended (read to its end, or failed): the peer hears nothing more from here.
+    pub(super) fn ended(&self) -> bool {
+        self.ended.load(Ordering::Acquire)
     }
 
     /// Nobody will read this link again: it ended, or this side stopped reading.
@@ -353,7 +359,11 @@ impl ReadSide {
         }
         match Inbound::accept(&offer) {
             Ok(ring) => rx.shm = Some(ring),
-            Err(e) => tracing::info!(peer = self.peer, "declined rank {}'s shared memory (the link stays on TCP): {e}", self.peer),
+            Err(e) => tracing::info!(
+                peer = self.peer,
+                "cannot map the shared memory rank {} offered ({e}; do the two processes see the same /dev/shm?): the link stays on TCP",
+                self.peer
+            ),
         }
         Ok(())
     }
@@ -369,7 +379,7 @@ impl ReadSide {
         let mut payload = Payload { rx, stream: &self.stream, wait, left: outer.nbytes, side: self };
         payload.read_exact(&mut raw)?;
         let inner = FrameHeader::decode(&raw)?;
-        if inner.kind == FrameKind::Relay as u8 || inner.nbytes != payload.left {
+        if inner.kind == FrameKind::Relay as u8 || inner.kind & SHM_PAYLOAD != 0 || inner.nbytes != payload.left {
             return Err(bad(format!(
                 "it sent a relay envelope of {} bytes around a frame of kind {} and {} bytes",
                 outer.nbytes, inner.kind, inner.nbytes
@@ -429,9 +439,10 @@ impl ReadSide {
         let ring = rx.shm.as_mut().ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, "it sent a payload through shared memory it never offered"))?;
         let mut payload = ring.next(header.nbytes)?;
         let delivered = self.inbox.deliver(self.peer, &header, &mut payload, Some(&self.waker))?;
+        let (left, end) = (payload.left(), payload.end());
         match delivered {
             Delivery::Parked { until } => {
-                if payload.left() != header.nbytes {
+                if left != header.nbytes {
                     return Err(io::Error::other("internal error: a frame was parked after part of it was read"));
                 }
                 rx.parked = Some(Parked { header, relay: None, until, in_shm: true });
@@ -443,10 +454,10 @@ impl ReadSide {
             Delivery::Taken if was_parked => self.hold_back(false),
             Delivery::Taken => {}
         }
-        if payload.left() != 0 {
+        if left != 0 {
             return Err(io::Error::other("internal error: a payload in shared memory was taken but not read to its end"));
         }
-        ring.consumed(&payload);
+        ring.consumed(end);
         Ok(())
     }
 

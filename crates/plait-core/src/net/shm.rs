@@ -20,8 +20,13 @@
 //! placed) and `tail` (bytes the receiver has freed). A payload is never split: one that does
 //! not fit before the ring's end starts at its beginning, and both sides compute that place from
 //! their own counter (`place`), since both see the frames in one order. The sender waits for
-//! room by polling `tail` (sleeping a little longer each time, up to 1 ms): the ring holds several
-//! segments, so it waits only when the receiver falls behind, as a full socket would make it.
+//! room by polling `tail` (sleeping a little longer each time, from 5 µs up to 1 ms): the ring
+//! holds several segments, so it waits only when the receiver falls behind, as a full socket
+//! would make it.
+//!
+//! Only a link's first connection offers a ring: start-up's probes travel on it after the offer,
+//! so once they are answered the sender knows whether the peer took the ring, and a ring the
+//! peer could not map is dropped (its name removed) then and there.
 
 use crate::platform::shm::Region;
 use std::io;
@@ -42,6 +47,8 @@ const DATA: usize = 4096;
 
 /// The longest offer payload a reader takes (a name, a nonce, a capacity).
 pub const OFFER_MAX_BYTES: u64 = 128;
+/// The largest ring a reader maps (`PLAIT_SHM_BYTES` allows no more).
+const CAPACITY_MAX: u64 = 1 << 30;
 
 struct Ring {
     region: Region,
@@ -82,9 +89,9 @@ pub struct Outbound {
 impl Outbound {
     /// A ring that carries payloads of up to `capacity` bytes, and the offer to send the peer.
     pub fn create(capacity: usize) -> io::Result<(Outbound, Vec<u8>)> {
-        let region = Region::create(DATA + capacity)?;
         let mut nonce = [0u8; 16];
         getrandom::fill(&mut nonce).map_err(|e| io::Error::other(format!("no random nonce: {e}")))?;
+        let region = Region::create(DATA + capacity)?;
         // SAFETY: the header lies inside the fresh mapping, which nobody else has mapped yet.
         unsafe {
             let p = region.as_ptr();
@@ -106,7 +113,7 @@ impl Outbound {
         n as u64 <= self.ring.capacity && self.accepted()
     }
 
-    /// Whether the peer has mapped the ring.
+    /// Whether the peer has mapped the ring (once true, it stays so).
     pub fn accepted(&mut self) -> bool {
         if !self.accepted && self.ring.counter(ACCEPTED_AT).load(Ordering::Acquire) == 1 {
             self.accepted = true;
@@ -131,7 +138,7 @@ impl Outbound {
                 return Err(e);
             }
             std::thread::sleep(nap);
-            nap = (nap * 2).min(Duration::from_micros(100));
+            nap = (nap * 2).min(Duration::from_millis(1));
         }
         // SAFETY: start % capacity + n <= capacity (`place`), and the receiver has freed these
         // bytes (tail), so nobody reads them until `head` says so.
@@ -163,11 +170,11 @@ impl Inbound {
             return Err(bad(&format!("of {} bytes", offer.len())));
         }
         let capacity = u64::from_le_bytes(offer[..8].try_into().unwrap());
-        if !(1..=1 << 40).contains(&capacity) {
+        let Some(len) = (1..=CAPACITY_MAX).contains(&capacity).then(|| usize::try_from(capacity).ok()).flatten() else {
             return Err(bad(&format!("of {capacity} bytes")));
-        }
+        };
         let name = std::str::from_utf8(&offer[24..]).map_err(|_| bad("whose name is not UTF-8"))?;
-        let region = Region::open(name, DATA + capacity as usize)?;
+        let region = Region::open(name, DATA + len)?;
         // SAFETY: the header lies inside the mapping; the sender wrote it before offering.
         let (magic, nonce, cap) = unsafe {
             let p = region.as_ptr();
@@ -185,8 +192,7 @@ impl Inbound {
     }
 
     /// The next payload, of `n` bytes, as the sender placed it.
-    /// The payload's bytes stay valid while this end lives and until `consumed`.
-    pub fn next(&self, n: u64) -> io::Result<ShmPayload> {
+    pub fn next(&self, n: u64) -> io::Result<ShmPayload<'_>> {
         let bad = |why: String| io::Error::new(io::ErrorKind::InvalidData, why);
         if n > self.ring.capacity {
             return Err(bad(format!("it sent a {n}-byte payload through a shared-memory ring of {} bytes", self.ring.capacity)));
@@ -198,32 +204,37 @@ impl Inbound {
         }
         // SAFETY: inside the data area (`place`); the sender published these bytes (head).
         let at = unsafe { self.ring.data().add((start % self.ring.capacity) as usize) };
-        Ok(ShmPayload { at, left: n as usize, end: start + n })
+        Ok(ShmPayload { at, left: n as usize, end: start + n, _ring: std::marker::PhantomData })
     }
 
-    /// Frees the room of a payload read to its end.
-    pub fn consumed(&mut self, payload: &ShmPayload) {
-        debug_assert_eq!(payload.left, 0);
-        self.pos = payload.end;
+    /// Frees the room of the payload whose `end` is given, once read to its end.
+    pub fn consumed(&mut self, end: u64) {
+        self.pos = end;
         self.ring.counter(TAIL_AT).store(self.pos, Ordering::Release);
     }
 }
 
 /// A payload in the ring, read like the socket's.
-pub struct ShmPayload {
+pub struct ShmPayload<'a> {
     at: *const u8,
     left: usize,
     /// The ring's counter after this payload.
     end: u64,
+    _ring: std::marker::PhantomData<&'a Inbound>,
 }
 
-impl ShmPayload {
+impl ShmPayload<'_> {
     pub fn left(&self) -> u64 {
         self.left as u64
     }
+
+    /// What `Inbound::consumed` takes once the payload is read.
+    pub fn end(&self) -> u64 {
+        self.end
+    }
 }
 
-impl io::Read for ShmPayload {
+impl io::Read for ShmPayload<'_> {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
         let n = buf.len().min(self.left);
         // SAFETY: `at` has `left` bytes the sender published and will not touch before `tail`
@@ -237,7 +248,7 @@ impl io::Read for ShmPayload {
     }
 }
 
-#[cfg(all(test, unix))]
+#[cfg(all(test, any(target_os = "linux", target_vendor = "apple")))]
 mod tests {
     use super::*;
     use std::io::Read;
@@ -254,7 +265,8 @@ mod tests {
         let mut p = inb.next(n as u64).unwrap();
         let mut v = vec![0; n];
         p.read_exact(&mut v).unwrap();
-        inb.consumed(&p);
+        let end = p.end();
+        inb.consumed(end);
         v
     }
 
@@ -300,6 +312,21 @@ mod tests {
         let err = inb.next(10).err().unwrap();
         assert!(err.to_string().contains("had not placed"), "{err}");
         assert!(inb.next(1001).is_err());
+    }
+
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn a_ring_leaves_no_name_behind_taken_or_not() {
+        let exists = |out: &Outbound| std::path::Path::new("/dev/shm").join(out.ring.region.name()).exists();
+        let (out, _offer) = Outbound::create(4096).unwrap();
+        assert!(exists(&out));
+        let gone = out.ring.region.name().to_string();
+        drop(out);
+        assert!(!std::path::Path::new("/dev/shm").join(gone).exists(), "a ring nobody took is removed with its sender");
+        let (mut out, offer) = Outbound::create(4096).unwrap();
+        let _inb = Inbound::accept(&offer).unwrap();
+        assert!(!exists(&out), "the receiver removes the name once it has mapped the ring");
+        assert!(out.accepted());
     }
 
     #[test]

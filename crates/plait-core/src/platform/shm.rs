@@ -2,9 +2,11 @@
 //! opens by that name (what `net::shm` builds its rings on).
 //!
 //! - Linux: a file in `/dev/shm` (tmpfs, so never written to a disk), created with mode 0600 and
-//!   its pages reserved at once (`posix_fallocate`): a full tmpfs (a container's 64 MiB
-//!   `/dev/shm`) is an error here, at set-up, instead of a SIGBUS at the first write.
-//! - macOS and other Unix: a POSIX shared-memory object (`shm_open`, mode 0600).
+//!   its pages reserved at once (`posix_fallocate`): a full tmpfs is an error here, at set-up,
+//!   instead of a SIGBUS at the first write. A region that would leave less than half of
+//!   `/dev/shm` free is refused too: other programs of the host use it (a container's is 64 MiB,
+//!   and torch's DataLoader workers pass their batches through it).
+//! - macOS: a POSIX shared-memory object (`shm_open`, mode 0600).
 //! - Windows and anything else: unsupported (`create` fails), and links between processes of one
 //!   host stay on loopback TCP, which every platform has.
 //!
@@ -66,6 +68,7 @@ mod imp {
     }
 
     pub fn create(name: &str, len: usize) -> io::Result<memmap2::MmapRaw> {
+        keeps_half_free(len)?;
         let file = OpenOptions::new().read(true).write(true).create_new(true).mode(0o600).open(path(name))?;
         // SAFETY: a plain call on an fd we own.
         let err = unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, len as libc::off_t) };
@@ -84,6 +87,25 @@ mod imp {
         map(&file, len)
     }
 
+    /// Refuses a region that would leave less than half of /dev/shm free (see the module doc).
+    fn keeps_half_free(len: usize) -> io::Result<()> {
+        let dir = std::ffi::CString::new("/dev/shm").unwrap();
+        // SAFETY: a NUL-terminated path and a zeroed struct the call fills in.
+        let mut fs: libc::statvfs = unsafe { std::mem::zeroed() };
+        if unsafe { libc::statvfs(dir.as_ptr(), &mut fs) } != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        let block = fs.f_frsize as u64;
+        let (total, free) = (fs.f_blocks as u64 * block, fs.f_bavail as u64 * block);
+        if free.saturating_sub(len as u64) < total / 2 {
+            return Err(io::Error::new(
+                io::ErrorKind::OutOfMemory,
+                format!("/dev/shm has {} MiB free of {} MiB, and {} MiB more would leave less than half of it free", free >> 20, total >> 20, len >> 20),
+            ));
+        }
+        Ok(())
+    }
+
     fn map(file: &File, len: usize) -> io::Result<memmap2::MmapRaw> {
         memmap2::MmapOptions::new().len(len).map_raw(file)
     }
@@ -93,7 +115,7 @@ mod imp {
     }
 }
 
-#[cfg(all(unix, not(target_os = "linux")))]
+#[cfg(target_vendor = "apple")]
 mod imp {
     use std::ffi::CString;
     use std::fs::File;
@@ -137,12 +159,12 @@ mod imp {
     }
 }
 
-#[cfg(not(unix))]
+#[cfg(not(any(target_os = "linux", target_vendor = "apple")))]
 mod imp {
     use std::io;
 
     fn unsupported() -> io::Error {
-        io::Error::new(io::ErrorKind::Unsupported, "shared memory between processes is not supported on this platform (links stay on TCP)")
+        io::Error::new(io::ErrorKind::Unsupported, "plait has no shared memory between processes on this platform")
     }
 
     pub fn create(_name: &str, _len: usize) -> io::Result<memmap2::MmapRaw> {
@@ -156,7 +178,7 @@ mod imp {
     pub fn unlink(_name: &str) {}
 }
 
-#[cfg(all(test, unix))]
+#[cfg(all(test, any(target_os = "linux", target_vendor = "apple")))]
 mod tests {
     use super::*;
 

@@ -7,7 +7,8 @@
 //!
 //! Flow control. Early frames are held up to a budget per peer (`PLAIT_UNEXPECTED_BYTES`). A
 //! frame that would go over it is parked, not refused: its lane stops reading (the payload waits
-//! in the socket and TCP stops the sender, see `net::reader`) until its receive is posted (then
+//! in the socket, or in the lane's shared-memory ring, and the sender stops, see `net::reader`)
+//! until its receive is posted (then
 //! it lands in place, never copied) or room frees (stashed frames of that peer taken, or the
 //! call they belong to ended). A frame parked for the timeout (`PLAIT_TIMEOUT`) with neither
 //! fails the link, naming the peer, the frame, the bytes held and both settings. Every budget
