@@ -410,19 +410,8 @@ impl ReadSide {
         // Headers and polls must see every byte again.
         set_lowat(&self.stream, payload.rx, 1);
         let left = payload.left;
-        match delivered? {
-            Delivery::Parked { until } => {
-                if left != header.nbytes {
-                    return Err(io::Error::other("internal error: a frame was parked after part of it was read"));
-                }
-                rx.parked = Some(Parked { header, relay, until, in_shm: false });
-                if !was_parked {
-                    self.hold_back(true);
-                }
-                return Ok(());
-            }
-            Delivery::Taken if was_parked => self.hold_back(false),
-            Delivery::Taken => {}
+        if !self.settle(rx, delivered?, left, (header, relay, false), was_parked)? {
+            return Ok(());
         }
         if left != 0 {
             // Only a read that failed part-way leaves payload behind: the link went down mid-frame.
@@ -440,25 +429,39 @@ impl ReadSide {
         let mut payload = ring.next(header.nbytes)?;
         let delivered = self.inbox.deliver(self.peer, &header, &mut payload, Some(&self.waker))?;
         let (left, end) = (payload.left(), payload.end());
+        if !self.settle(rx, delivered, left, (header, None, true), was_parked)? {
+            return Ok(());
+        }
+        if left != 0 {
+            return Err(io::Error::other("internal error: a payload in shared memory was taken but not read to its end"));
+        }
+        rx.shm.as_mut().expect("read from it above").consumed(end);
+        Ok(())
+    }
+
+    /// What the inbox answered for `frame` (header, relay ends, payload in shared memory), with
+    /// `left` of its payload unread: a parked frame is kept, unread, and its lane held back; a
+    /// taken one lets a held-back lane go on. Returns whether the frame was taken.
+    fn settle(&self, rx: &mut RxBuf, delivered: Delivery, left: u64, frame: (FrameHeader, Option<(usize, usize)>, bool), was_parked: bool) -> io::Result<bool> {
+        let (header, relay, in_shm) = frame;
         match delivered {
             Delivery::Parked { until } => {
                 if left != header.nbytes {
                     return Err(io::Error::other("internal error: a frame was parked after part of it was read"));
                 }
-                rx.parked = Some(Parked { header, relay: None, until, in_shm: true });
+                rx.parked = Some(Parked { header, relay, until, in_shm });
                 if !was_parked {
                     self.hold_back(true);
                 }
-                return Ok(());
+                Ok(false)
             }
-            Delivery::Taken if was_parked => self.hold_back(false),
-            Delivery::Taken => {}
+            Delivery::Taken => {
+                if was_parked {
+                    self.hold_back(false);
+                }
+                Ok(true)
+            }
         }
-        if left != 0 {
-            return Err(io::Error::other("internal error: a payload in shared memory was taken but not read to its end"));
-        }
-        ring.consumed(end);
-        Ok(())
     }
 
     /// Stops (true) or resumes (false) reading this lane for a parked frame: callers' waits
