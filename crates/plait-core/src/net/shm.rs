@@ -19,18 +19,18 @@
 //! The ring is a byte FIFO with two counters that only grow: `head` (bytes the sender has
 //! placed) and `tail` (bytes the receiver has freed). A payload is never split: one that does
 //! not fit before the ring's end starts at its beginning, and both sides compute that place from
-//! their own counter (`place`), since both see the frames in one order. The sender waits for
-//! room by polling `tail` (sleeping a little longer each time, from 5 µs up to 1 ms): the ring
-//! holds several segments, so it waits only when the receiver falls behind, as a full socket
-//! would make it.
+//! their own counter (`place`), since both see the frames in one order. A sender that finds no
+//! room says so in the ring and sleeps (a futex on Linux, short sleeps elsewhere) until the
+//! receiver frees some and wakes it: the ring holds several segments, so it waits only when the
+//! receiver falls behind, as a full socket would make it.
 //!
 //! Only a link's first connection offers a ring: start-up's probes travel on it after the offer,
 //! so once they are answered the sender knows whether the peer took the ring, and a ring the
 //! peer could not map is dropped (its name removed) then and there.
 
-use crate::platform::shm::Region;
+use crate::platform::shm::{self, Region};
 use std::io;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::Duration;
 
 /// The region starts with this header; payloads start at `DATA`.
@@ -43,6 +43,10 @@ const CAPACITY_AT: usize = 24;
 const ACCEPTED_AT: usize = 64;
 const HEAD_AT: usize = 128;
 const TAIL_AT: usize = 192;
+/// The receiver bumps `FREED` (u32) each time it frees room, and wakes the sender when `WAITING`
+/// (u32, the sender's) says it sleeps on `FREED`.
+const FREED_AT: usize = 200;
+const WAITING_AT: usize = 256;
 const DATA: usize = 4096;
 
 /// The longest offer payload a reader takes (a name, a nonce, a capacity).
@@ -60,6 +64,11 @@ impl Ring {
         // SAFETY: `at` is an 8-aligned offset inside the header page of a live, page-aligned
         // mapping; the peer only ever touches these words atomically.
         unsafe { &*(self.region.as_ptr().add(at) as *const AtomicU64) }
+    }
+
+    fn word(&self, at: usize) -> &AtomicU32 {
+        // SAFETY: as `counter`, 4-aligned.
+        unsafe { &*(self.region.as_ptr().add(at) as *const AtomicU32) }
     }
 
     fn data(&self) -> *mut u8 {
@@ -128,17 +137,22 @@ impl Outbound {
     pub fn put(&mut self, payload: &[u8], stopped: impl Fn() -> Option<io::Error>) -> io::Result<()> {
         let n = payload.len() as u64;
         let start = place(self.head, n, self.ring.capacity);
-        let tail = self.ring.counter(TAIL_AT);
-        let mut nap = Duration::from_micros(5);
+        let (tail, freed, waiting) = (self.ring.counter(TAIL_AT), self.ring.word(FREED_AT), self.ring.word(WAITING_AT));
         // Room: the bytes from the oldest unread one to this payload's end fit in the ring, or
         // nothing is unread (then the stretch skipped at the ring's end does not count).
         let room = |tail: u64| tail == self.head || start + n - tail <= self.ring.capacity;
-        while !room(tail.load(Ordering::Acquire)) {
+        while !room(tail.load(Ordering::SeqCst)) {
             if let Some(e) = stopped() {
                 return Err(e);
             }
-            std::thread::sleep(nap);
-            nap = (nap * 2).min(Duration::from_millis(1));
+            // Say so before looking once more: the receiver frees, then reads the flag.
+            let seen = freed.load(Ordering::SeqCst);
+            waiting.store(1, Ordering::SeqCst);
+            if !room(tail.load(Ordering::SeqCst)) {
+                // Bounded, so `stopped` is asked again at least this often.
+                shm::wait_while(freed, seen, Duration::from_millis(10));
+            }
+            waiting.store(0, Ordering::SeqCst);
         }
         // SAFETY: start % capacity + n <= capacity (`place`), and the receiver has freed these
         // bytes (tail), so nobody reads them until `head` says so.
@@ -210,7 +224,12 @@ impl Inbound {
     /// Frees the room of the payload whose `end` is given, once read to its end.
     pub fn consumed(&mut self, end: u64) {
         self.pos = end;
-        self.ring.counter(TAIL_AT).store(self.pos, Ordering::Release);
+        self.ring.counter(TAIL_AT).store(self.pos, Ordering::SeqCst);
+        let freed = self.ring.word(FREED_AT);
+        freed.fetch_add(1, Ordering::SeqCst);
+        if self.ring.word(WAITING_AT).load(Ordering::SeqCst) != 0 {
+            shm::wake(freed);
+        }
     }
 }
 

@@ -10,11 +10,28 @@
 //! - Windows and anything else: unsupported (`create` fails), and links between processes of one
 //!   host stay on loopback TCP, which every platform has.
 //!
+//! A thread that waits for the other process to change a word of the region sleeps on a futex
+//! on Linux (`wait_while`, `wake`); elsewhere it polls with short sleeps.
+//!
 //! The name is random (64 bits from the OS), so nothing guesses it and two regions never collide.
 //! Whoever holds the name may remove it (`unlink`) once both ends have mapped the region: the
 //! mapping outlives the name, and a crash leaves nothing behind after that.
 
 use std::io;
+use std::sync::atomic::AtomicU32;
+use std::time::Duration;
+
+/// Sleeps while `word` (in shared memory) holds `seen`, until `wake` on it, or `timeout`; may
+/// return early for no reason (callers look again). Linux: a futex (one the other process can
+/// wake, not a private one). Elsewhere: a sleep of at most 1 ms, so the caller polls.
+pub fn wait_while(word: &AtomicU32, seen: u32, timeout: Duration) {
+    imp::wait_while(word, seen, timeout)
+}
+
+/// Wakes every thread in `wait_while` on `word`, in any process.
+pub fn wake(word: &AtomicU32) {
+    imp::wake(word)
+}
 
 /// A mapped region of shared memory.
 pub struct Region {
@@ -62,6 +79,8 @@ mod imp {
     use std::os::fd::AsRawFd;
     use std::os::unix::fs::OpenOptionsExt;
     use std::path::PathBuf;
+    use std::sync::atomic::AtomicU32;
+    use std::time::Duration;
 
     fn path(name: &str) -> PathBuf {
         PathBuf::from("/dev/shm").join(name)
@@ -113,6 +132,24 @@ mod imp {
     pub fn unlink(name: &str) {
         let _ = std::fs::remove_file(path(name));
     }
+
+    pub fn wait_while(word: &AtomicU32, seen: u32, timeout: Duration) {
+        let ts = libc::timespec { tv_sec: timeout.as_secs() as libc::time_t, tv_nsec: timeout.subsec_nanos() as libc::c_long };
+        // SAFETY: the word is a live, aligned u32; FUTEX_WAIT only reads it. Errors (EAGAIN: the
+        // word changed; EINTR; ETIMEDOUT) all mean "look again".
+        unsafe { libc::syscall(libc::SYS_futex, word.as_ptr(), libc::FUTEX_WAIT, seen, &ts as *const libc::timespec, 0usize, 0u32) };
+    }
+
+    pub fn wake(word: &AtomicU32) {
+        // SAFETY: as above; FUTEX_WAKE does not touch the word.
+        unsafe { libc::syscall(libc::SYS_futex, word.as_ptr(), libc::FUTEX_WAKE, i32::MAX, 0usize, 0usize, 0u32) };
+    }
+}
+
+/// Where the system has no futex that another process can wake: a short sleep.
+#[cfg(not(target_os = "linux"))]
+fn nap(timeout: Duration) {
+    std::thread::sleep(timeout.min(Duration::from_millis(1)));
 }
 
 #[cfg(target_vendor = "apple")]
@@ -157,6 +194,12 @@ mod imp {
         // SAFETY: a NUL-terminated name.
         unsafe { libc::shm_unlink(c_name(name).as_ptr()) };
     }
+
+    pub fn wait_while(_word: &std::sync::atomic::AtomicU32, _seen: u32, timeout: std::time::Duration) {
+        super::nap(timeout)
+    }
+
+    pub fn wake(_word: &std::sync::atomic::AtomicU32) {}
 }
 
 #[cfg(not(any(target_os = "linux", target_vendor = "apple")))]
@@ -176,6 +219,12 @@ mod imp {
     }
 
     pub fn unlink(_name: &str) {}
+
+    pub fn wait_while(_word: &std::sync::atomic::AtomicU32, _seen: u32, timeout: std::time::Duration) {
+        super::nap(timeout)
+    }
+
+    pub fn wake(_word: &std::sync::atomic::AtomicU32) {}
 }
 
 #[cfg(all(test, any(target_os = "linux", target_vendor = "apple")))]
