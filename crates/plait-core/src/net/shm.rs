@@ -34,19 +34,18 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::Duration;
 
 /// The region starts with this header; payloads start at `DATA`.
-const MAGIC: u64 = u64::from_le_bytes(*b"PLTRING1");
+const MAGIC: u64 = u64::from_le_bytes(*b"PLTRING2");
 const MAGIC_AT: usize = 0;
 const NONCE_AT: usize = 8;
 const CAPACITY_AT: usize = 24;
-/// Counters on cache lines of their own: the receiver writes `ACCEPTED` and `TAIL`, the sender
-/// `HEAD`.
-const ACCEPTED_AT: usize = 64;
-const HEAD_AT: usize = 128;
-const TAIL_AT: usize = 192;
-/// The receiver bumps `FREED` (u32) each time it frees room, and wakes the sender when `WAITING`
-/// (u32, the sender's) says it sleeps on `FREED`.
-const FREED_AT: usize = 200;
-const WAITING_AT: usize = 256;
+/// Words on cache lines of their own (128 bytes apart: Apple's M-series lines are that long).
+/// The receiver writes `ACCEPTED`, `TAIL` and, beside it, `FREED` (u32: bumped each time it
+/// frees room); the sender writes `HEAD`, and `WAITING` (u32) while it sleeps on `FREED`.
+const ACCEPTED_AT: usize = 128;
+const HEAD_AT: usize = 256;
+const TAIL_AT: usize = 384;
+const FREED_AT: usize = 392;
+const WAITING_AT: usize = 512;
 const DATA: usize = 4096;
 
 /// The longest offer payload a reader takes (a name, a nonce, a capacity).
@@ -141,6 +140,9 @@ impl Outbound {
         // Room: the bytes from the oldest unread one to this payload's end fit in the ring, or
         // nothing is unread (then the stretch skipped at the ring's end does not count).
         let room = |tail: u64| tail == self.head || start + n - tail <= self.ring.capacity;
+        // Without a futex the sleeps grow from 5 µs to 1 ms; with one, the sleep ends when woken
+        // and is bounded only so that `stopped` is asked again (a shutdown is seen within it).
+        let mut nap = Duration::from_micros(5);
         while !room(tail.load(Ordering::SeqCst)) {
             if let Some(e) = stopped() {
                 return Err(e);
@@ -149,8 +151,8 @@ impl Outbound {
             let seen = freed.load(Ordering::SeqCst);
             waiting.store(1, Ordering::SeqCst);
             if !room(tail.load(Ordering::SeqCst)) {
-                // Bounded, so `stopped` is asked again at least this often.
-                shm::wait_while(freed, seen, Duration::from_millis(10));
+                shm::wait_while(freed, seen, if shm::CAN_WAKE { Duration::from_millis(10) } else { nap });
+                nap = (nap * 2).min(Duration::from_millis(1));
             }
             waiting.store(0, Ordering::SeqCst);
         }

@@ -21,9 +21,13 @@ use std::io;
 use std::sync::atomic::AtomicU32;
 use std::time::Duration;
 
+/// Whether `wake` ends another process's `wait_while` (Linux: a futex). Elsewhere a wait is a
+/// plain sleep of its timeout, and the caller polls.
+pub const CAN_WAKE: bool = cfg!(target_os = "linux");
+
 /// Sleeps while `word` (in shared memory) holds `seen`, until `wake` on it, or `timeout`; may
 /// return early for no reason (callers look again). Linux: a futex (one the other process can
-/// wake, not a private one). Elsewhere: a sleep of at most 1 ms, so the caller polls.
+/// wake, not a private one). Elsewhere: a sleep of `timeout`.
 pub fn wait_while(word: &AtomicU32, seen: u32, timeout: Duration) {
     imp::wait_while(word, seen, timeout)
 }
@@ -134,7 +138,7 @@ mod imp {
     }
 
     pub fn wait_while(word: &AtomicU32, seen: u32, timeout: Duration) {
-        let ts = libc::timespec { tv_sec: timeout.as_secs() as libc::time_t, tv_nsec: timeout.subsec_nanos() as libc::c_long };
+        let ts = libc::timespec { tv_sec: timeout.as_secs() as _, tv_nsec: timeout.subsec_nanos() as _ };
         // SAFETY: the word is a live, aligned u32; FUTEX_WAIT only reads it. Errors (EAGAIN: the
         // word changed; EINTR; ETIMEDOUT) all mean "look again".
         unsafe { libc::syscall(libc::SYS_futex, word.as_ptr(), libc::FUTEX_WAIT, seen, &ts as *const libc::timespec, 0usize, 0u32) };
@@ -146,10 +150,10 @@ mod imp {
     }
 }
 
-/// Where the system has no futex that another process can wake: a short sleep.
+/// Where the system has no futex that another process can wake: a sleep (the caller keeps it short).
 #[cfg(not(target_os = "linux"))]
 fn nap(timeout: Duration) {
-    std::thread::sleep(timeout.min(Duration::from_millis(1)));
+    std::thread::sleep(timeout);
 }
 
 #[cfg(target_vendor = "apple")]
