@@ -18,7 +18,7 @@ use crate::net::frame::{PING_TAG, PONG_TAG, PROBE_AGAIN_TAG, PROBE_TAG};
 use crate::net::handshake::Hello;
 use crate::net::iface::{list_interfaces, IfaceAddr};
 use crate::net::listener::Listener;
-use crate::net::peer::{PeerLink, SOCKET_ONLY_BYTES};
+use crate::net::peer::{PeerLink, EAGER_MAX};
 use crate::net::route::{candidate_routes, listen_addrs, prefer_dedicated, IfaceFilter, Route};
 use crate::platform::host::{self, same_host};
 use crate::raw::RawBuf;
@@ -264,7 +264,7 @@ pub(crate) fn bootstrap_from(store: &dyn Store, cfg: &CommConfig, kept: Option<K
     demux.attach(&session);
     let all_links = connected.and_then(|infos| {
         // A ring no larger than the payloads that always go on the socket would never be used.
-        if cfg.shm_bytes > SOCKET_ONLY_BYTES {
+        if cfg.shm_bytes > EAGER_MAX {
             for r in routes.iter().filter(|r| r.same_host && r.via.is_none()) {
                 session.link(r.peer).offer_shm(cfg.shm_bytes);
             }

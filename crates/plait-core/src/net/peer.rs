@@ -21,11 +21,9 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 /// Payloads up to this size are copied next to their header and written with one syscall:
-/// one packet for small messages instead of two.
-const EAGER_MAX: usize = 64 * 1024;
-/// Payloads up to this size always go on the socket, even to a rank of this host (`shm`): copied
-/// next to their header, they cost one write either way.
-pub const SOCKET_ONLY_BYTES: usize = EAGER_MAX;
+/// one packet for small messages instead of two. They always go on the socket, even to a rank of
+/// this host (`shm`): that one write is all they cost.
+pub const EAGER_MAX: usize = 64 * 1024;
 
 /// Receives what a peer sends: implemented by the session's `Demux`, which routes each frame.
 pub trait Inbox: Send + Sync {
@@ -602,8 +600,7 @@ struct Writer {
 impl Writer {
     fn write(&mut self, req: &SendReq) -> io::Result<()> {
         let kind = req.header.kind;
-        let through_shm = self.seal.is_none()
-            && req.data.len > SOCKET_ONLY_BYTES
+        let through_shm = req.data.len > EAGER_MAX
             && (kind == FrameKind::Data as u8 || kind == FrameKind::P2p as u8)
             && self.shm.as_mut().is_some_and(|ring| ring.takes(req.data.len));
         let result = match (self.failed, &mut self.seal, &mut self.shm) {
