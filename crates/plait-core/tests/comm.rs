@@ -843,3 +843,40 @@ fn a_sender_waiting_for_room_in_shared_memory_fails_naming_the_rank_that_aborted
     assert!(errors.iter().all(|e| e.contains("rank 1")), "{errors:?}");
     assert!(*took < Duration::from_secs(10), "the sends ended after {took:?}");
 }
+
+/// CPU time this thread has used (Linux and macOS).
+#[cfg(unix)]
+fn thread_cpu_time() -> Duration {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: a valid timespec to fill, and a clock every Unix this project builds for has.
+    assert_eq!(unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) }, 0);
+    Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
+}
+
+/// A small blocking call polls its links for its busy-poll budget, then sleeps: a rank that
+/// reaches the call long before a late peer does not spend its core on the whole wait. The
+/// budget counts once per call, not once per wait inside it (a call waits in many short waits).
+#[cfg(unix)]
+#[test]
+fn a_rank_waiting_for_a_late_peer_polls_for_its_budget_then_sleeps() {
+    const LATE: Duration = Duration::from_millis(800);
+    let results = world_with(
+        2,
+        0,
+        |cfg| cfg.busy_poll = Duration::from_millis(50),
+        |comm| {
+            let (mut x, mut y) = ([1.0f32; 3], [0.0f32; 3]);
+            allreduce(&comm, &mut x, &mut y, None).unwrap();
+            if comm.rank() == 1 {
+                std::thread::sleep(LATE);
+            }
+            let (cpu, t) = (thread_cpu_time(), Instant::now());
+            allreduce(&comm, &mut x, &mut y, None).unwrap();
+            (thread_cpu_time() - cpu, t.elapsed(), y)
+        },
+    );
+    let (cpu, waited, y) = results[0];
+    assert_eq!(y, [2.0; 3]);
+    assert!(waited >= LATE / 2, "rank 0 waited only {waited:?} for a peer {LATE:?} late");
+    assert!(cpu < Duration::from_millis(300), "rank 0 used {cpu:?} of CPU waiting {waited:?} with a 50 ms busy-poll budget");
+}

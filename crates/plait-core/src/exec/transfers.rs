@@ -38,6 +38,9 @@ pub(crate) struct Transfers<M: OpMemory> {
     rx: Receiver<Event>,
     /// Transfers issued and not yet reported (withdrawn receives are subtracted).
     outstanding: Cell<usize>,
+    /// Until when a caller reading the links polls them instead of sleeping: the busy-poll
+    /// budget counted from the operation's first wait, so one operation spends it once.
+    spin_until: Cell<Option<Instant>>,
     /// The operation's own buffers that transfers point into.
     pub memory: M,
 }
@@ -45,7 +48,7 @@ pub(crate) struct Transfers<M: OpMemory> {
 impl<M: OpMemory> Transfers<M> {
     pub fn new(session: &Arc<Session>, what: Arc<str>, memory: M) -> Self {
         let (tx, rx) = crossbeam_channel::unbounded();
-        Transfers { session: session.clone(), op_id: session.op_id(), what, tx, rx, outstanding: Cell::new(0), memory }
+        Transfers { session: session.clone(), op_id: session.op_id(), what, tx, rx, outstanding: Cell::new(0), spin_until: Cell::new(None), memory }
     }
 
     /// The id the operation's posted receives carry (so they can be withdrawn together).
@@ -61,7 +64,12 @@ impl<M: OpMemory> Transfers<M> {
 
     /// The next report of one of these transfers, waiting until `until` (see `wait::next_event`).
     pub fn next_event(&self, until: Instant, frame_deadline: Instant) -> Result<Event, RecvTimeoutError> {
-        let ev = next_event(&self.session, &self.rx, until, frame_deadline)?;
+        let spin_until = self.spin_until.get().unwrap_or_else(|| {
+            let t = Instant::now() + self.session.busy_poll;
+            self.spin_until.set(Some(t));
+            t
+        });
+        let ev = next_event(&self.session, &self.rx, until, frame_deadline, spin_until)?;
         self.outstanding.set(self.outstanding.get().saturating_sub(1));
         Ok(ev)
     }

@@ -9,7 +9,14 @@ use std::time::{Duration, Instant};
 /// The next event of an operation, waiting until `until`. While callers read the links (a
 /// small operation run on the waiting thread), this thread reads frames itself meanwhile and
 /// finishes a frame it began by `frame_deadline` (the operation's deadline).
-pub(super) fn next_event(session: &Session, rx: &Receiver<Event>, until: Instant, frame_deadline: Instant) -> std::result::Result<Event, RecvTimeoutError> {
+///
+/// Until `spin_until` it does not sleep: it polls the links and yields its core between polls.
+/// Sleeping costs a small operation most of its time where ranks share cores: the peer's send
+/// must wake this thread (an inter-processor interrupt) and the scheduler switch to it, twice
+/// per message. A thread that yields instead lets the ranks it waits for run on its core and
+/// finds their frames on its next poll; where every rank has a core of its own, yielding
+/// returns at once and this is plain busy polling.
+pub(super) fn next_event(session: &Session, rx: &Receiver<Event>, until: Instant, frame_deadline: Instant, spin_until: Instant) -> std::result::Result<Event, RecvTimeoutError> {
     loop {
         if !session.caller_progress() {
             // Another operation (of this group or another on the same links) may switch the links
@@ -32,6 +39,12 @@ pub(super) fn next_event(session: &Session, rx: &Receiver<Event>, until: Instant
         let now = Instant::now();
         if now >= until {
             return Err(RecvTimeoutError::Timeout);
+        }
+        if now < spin_until {
+            if !session.poll_now(frame_deadline) {
+                std::thread::yield_now();
+            }
+            continue;
         }
         // Short waits: a send finished by a link's sender thread reports through `rx`, not a socket.
         session.progress((until - now).min(Duration::from_millis(2)), frame_deadline);

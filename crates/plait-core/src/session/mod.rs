@@ -61,8 +61,8 @@ pub(crate) struct Session {
     pub(crate) groups: Arc<Groups>,
     pub mailbox: Arc<Mailbox>,
     broken: Mutex<Option<PlaitError>>,
-    /// How long a waiting caller polls its links without sleeping before it blocks (latency
-    /// for CPU: only worth it with a core to spare per rank).
+    /// How long an operation whose caller reads the links polls them, yielding its core between
+    /// polls, before it blocks (`PLAIT_BUSY_POLL_US`; see `exec::wait::next_event`).
     pub busy_poll: Duration,
     next_op_id: AtomicU64,
     p2p_send_next: Mutex<HashMap<(usize, u64), u32>>,
@@ -262,17 +262,13 @@ impl Session {
 
     /// Reads, on this thread, frames that arrive within `wait` (see `set_caller_progress`).
     pub fn progress(&self, wait: Duration, frame_deadline: Instant) -> bool {
-        let spin = self.busy_poll.min(wait);
-        if !spin.is_zero() {
-            let until = Instant::now() + spin;
-            while Instant::now() < until {
-                if self.reading.callers.progress(Duration::ZERO, frame_deadline) {
-                    return true;
-                }
-                std::hint::spin_loop();
-            }
-        }
-        self.reading.callers.progress(wait - spin, frame_deadline)
+        self.reading.callers.progress(wait, frame_deadline)
+    }
+
+    /// Reads, on this thread, what the links a caller may read have waiting now, without
+    /// blocking; returns whether any had something.
+    pub fn poll_now(&self, frame_deadline: Instant) -> bool {
+        self.reading.callers.progress(Duration::ZERO, frame_deadline)
     }
 
     pub fn op_id(&self) -> u64 {
