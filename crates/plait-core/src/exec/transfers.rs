@@ -39,7 +39,7 @@ pub(crate) struct Transfers<M: OpMemory> {
     /// Transfers issued and not yet reported (withdrawn receives are subtracted).
     outstanding: Cell<usize>,
     /// Until when a caller reading the links polls them instead of sleeping: the busy-poll
-    /// budget counted from the operation's first wait, so one operation spends it once.
+    /// budget counted from the first time the operation would sleep (see `wait::next_event`).
     spin_until: Cell<Option<Instant>>,
     /// The operation's own buffers that transfers point into.
     pub memory: M,
@@ -64,12 +64,7 @@ impl<M: OpMemory> Transfers<M> {
 
     /// The next report of one of these transfers, waiting until `until` (see `wait::next_event`).
     pub fn next_event(&self, until: Instant, frame_deadline: Instant) -> Result<Event, RecvTimeoutError> {
-        let spin_until = self.spin_until.get().unwrap_or_else(|| {
-            let t = Instant::now() + self.session.busy_poll;
-            self.spin_until.set(Some(t));
-            t
-        });
-        let ev = next_event(&self.session, &self.rx, until, frame_deadline, spin_until)?;
+        let ev = next_event(&self.session, &self.rx, until, frame_deadline, &self.spin_until)?;
         self.outstanding.set(self.outstanding.get().saturating_sub(1));
         Ok(ev)
     }

@@ -4,19 +4,28 @@
 use crate::error::PlaitError;
 use crate::session::{Event, Session};
 use crossbeam_channel::{Receiver, RecvTimeoutError};
+use std::cell::Cell;
 use std::time::{Duration, Instant};
 
 /// The next event of an operation, waiting until `until`. While callers read the links (a
 /// small operation run on the waiting thread), this thread reads frames itself meanwhile and
 /// finishes a frame it began by `frame_deadline` (the operation's deadline).
 ///
-/// Until `spin_until` it does not sleep: it polls the links and yields its core between polls.
+/// For the session's busy-poll budget it does not sleep: it polls the links and yields its core
+/// between polls. `spin_until` is when the budget ends, set the first time the operation would
+/// sleep, so that one operation spends it once over all its waits.
 /// Sleeping costs a small operation most of its time where ranks share cores: the peer's send
 /// must wake this thread (an inter-processor interrupt) and the scheduler switch to it, twice
 /// per message. A thread that yields instead lets the ranks it waits for run on its core and
 /// finds their frames on its next poll; where every rank has a core of its own, yielding
 /// returns at once and this is plain busy polling.
-pub(super) fn next_event(session: &Session, rx: &Receiver<Event>, until: Instant, frame_deadline: Instant, spin_until: Instant) -> std::result::Result<Event, RecvTimeoutError> {
+pub(super) fn next_event(
+    session: &Session,
+    rx: &Receiver<Event>,
+    until: Instant,
+    frame_deadline: Instant,
+    spin_until: &Cell<Option<Instant>>,
+) -> std::result::Result<Event, RecvTimeoutError> {
     loop {
         if !session.caller_progress() {
             // Another operation (of this group or another on the same links) may switch the links
@@ -40,7 +49,12 @@ pub(super) fn next_event(session: &Session, rx: &Receiver<Event>, until: Instant
         if now >= until {
             return Err(RecvTimeoutError::Timeout);
         }
-        if now < spin_until {
+        let spin_end = spin_until.get().unwrap_or_else(|| {
+            let end = now + session.busy_poll;
+            spin_until.set(Some(end));
+            end
+        });
+        if now < spin_end {
             if !session.poll_now(frame_deadline) {
                 std::thread::yield_now();
             }
