@@ -14,9 +14,10 @@ use std::time::{Duration, Instant};
 /// For the session's busy-poll budget it does not sleep: it polls the links and yields its core
 /// between polls. `spin_until` is when the budget ends, set the first time the operation would
 /// sleep, so that one operation spends it once over all its waits.
-/// Sleeping costs a small operation most of its time where ranks share cores: the peer's send
-/// must wake this thread (an inter-processor interrupt) and the scheduler switch to it, twice
-/// per message. A thread that yields instead lets the ranks it waits for run on its core and
+///
+/// Why: sleeping costs a small operation most of its time where ranks share cores, because
+/// every message must wake this thread (an inter-processor interrupt) and the scheduler switch
+/// back to it. A thread that yields instead lets the ranks it waits for run on its core and
 /// finds their frames on its next poll; where every rank has a core of its own, yielding
 /// returns at once and this is plain busy polling.
 pub(super) fn next_event(
