@@ -56,7 +56,7 @@ pub(super) fn next_event(
             end
         });
         if now < spin_end {
-            if !session.poll_now(frame_deadline) {
+            if !session.progress(Duration::ZERO, frame_deadline) {
                 std::thread::yield_now();
             }
             continue;

@@ -150,12 +150,6 @@ mod imp {
     }
 }
 
-/// Where the system has no futex that another process can wake: a sleep (the caller keeps it short).
-#[cfg(not(target_os = "linux"))]
-fn nap(timeout: Duration) {
-    std::thread::sleep(timeout);
-}
-
 #[cfg(target_vendor = "apple")]
 mod imp {
     use std::ffi::CString;
@@ -200,7 +194,8 @@ mod imp {
     }
 
     pub fn wait_while(_word: &std::sync::atomic::AtomicU32, _seen: u32, timeout: std::time::Duration) {
-        super::nap(timeout)
+        // No futex another process can wake: a sleep, which the caller keeps short.
+        std::thread::sleep(timeout)
     }
 
     pub fn wake(_word: &std::sync::atomic::AtomicU32) {}
@@ -225,7 +220,8 @@ mod imp {
     pub fn unlink(_name: &str) {}
 
     pub fn wait_while(_word: &std::sync::atomic::AtomicU32, _seen: u32, timeout: std::time::Duration) {
-        super::nap(timeout)
+        // No futex another process can wake: a sleep, which the caller keeps short.
+        std::thread::sleep(timeout)
     }
 
     pub fn wake(_word: &std::sync::atomic::AtomicU32) {}

@@ -260,15 +260,10 @@ impl Session {
         self.reading.on.load(Ordering::Acquire)
     }
 
-    /// Reads, on this thread, frames that arrive within `wait` (see `set_caller_progress`).
+    /// Reads, on this thread, frames that arrive within `wait` (see `set_caller_progress`;
+    /// a zero `wait` reads what is there now). Returns whether any link had something.
     pub fn progress(&self, wait: Duration, frame_deadline: Instant) -> bool {
         self.reading.callers.progress(wait, frame_deadline)
-    }
-
-    /// Reads, on this thread, what the links a caller may read have waiting now, without
-    /// blocking; returns whether any had something.
-    pub fn poll_now(&self, frame_deadline: Instant) -> bool {
-        self.reading.callers.progress(Duration::ZERO, frame_deadline)
     }
 
     pub fn op_id(&self) -> u64 {
