@@ -7,6 +7,7 @@ import json
 import sys
 
 import harness
+import pytest
 from plait.tools.testbed import Testbed
 
 
@@ -95,3 +96,24 @@ def test_a_link_one_stream_cannot_fill_gets_more_streams():
                  f"{'/'.join(f'{v:.0f}' for v in rate(grown))}; broadcast of 32 MiB {one[1]['times'][0] * 1e3:.0f} ms "
                  f"-> {grown[1]['times'][0] * 1e3:.0f} ms; a 32 MiB message in pieces over 2 streams "
                  f"{p2p[1]['times'][0] * 1e3:.0f} ms")
+
+
+def test_the_mesh_benchmark_measures_the_tcp_floor_next_to_plait(tmp_path):
+    """The mesh benchmark's floor moves 2S/N bytes each way over every cable, on plain streams;
+    its times are real (a slower cable makes it slower), and plait's row is priced against it."""
+    from plait.tools.testbed import bench
+
+    out = tmp_path / "mesh.json"
+    rc = bench.main(["--nodes", "3", "--mib", "2", "--iters", "2", "--no-gloo", "--link-rate", "200mbit",
+                     "--name", "pltestmeshb", "--json", str(out)])
+    (world,) = json.loads(out.read_text())["results"]
+    assert rc == 0, world
+    floor, plait = world["runs"]
+    assert [floor["lib"], plait["lib"]] == ["tcp", "plait"], world["runs"]
+    assert floor["ok"] and plait["ok"], world["runs"]
+    # 2 MiB on 3 nodes: 1.33 MiB each way per 200 Mbit/s cable, at least 56 ms on the wire.
+    wire = 2 * (2 << 20) / 3 / (200e6 / 8)
+    assert floor["t"] >= 0.95 * wire, (floor["t"], wire)
+    assert world["bound_full_mesh_s"] == pytest.approx(wire)
+    harness.note(f"mesh bench, 3 nodes, 2 MiB, 200 Mbit/s cables: TCP floor {floor['t'] * 1e3:.0f} ms, plait "
+                 f"{plait['t'] * 1e3:.0f} ms, bound {wire * 1e3:.0f} ms")

@@ -2,6 +2,7 @@
 
     python -m plait.tools.testbed._worker --lib plait|gloo --bytes N --iters K [--warmup W] [--timeout T]
     python -m plait.tools.testbed._worker --lib plait --op p2p --bytes N ...   # rank 0 -> rank 1 (--to R)
+    python -m plait.tools.testbed._worker --lib tcp --bytes N ...              # the cables' TCP floor
 
 Reads RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; allreduces a float32 buffer of N bytes K times
 (after W warm-up rounds), checks the result exactly, and prints one JSON line:
@@ -93,6 +94,100 @@ def _plait_p2p(args, rank, n):
             time.sleep(0.3)
 
 
+def _tcp_floor(args, rank, n):
+    """The transport floor of an allreduce of `--bytes` S on a full mesh: every node sends 2S/N
+    bytes to every other node over one plain TCP stream on the cable between them, while receiving
+    as much from each (what a direct allreduce moves, without its reductions, copies or step
+    boundaries; a thread per stream and direction, which releases the GIL while the kernel copies).
+    Rounds start at a barrier on the same streams. A collective cannot beat this where the kernel's per-packet work on the cables
+    (veth, tbf, softirq), not the cables' rate, is the limit."""
+    import socket
+    import threading
+
+    from plait.tools.doctor import DoctorStore
+
+    from . import cable_addr
+
+    store = DoctorStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), rank == 0, args.timeout)
+    ls = socket.socket()
+    ls.bind(("0.0.0.0", 0))
+    ls.listen(n)
+    ls.settimeout(args.timeout)
+    store.set(f"tcp-floor/{rank}", str(ls.getsockname()[1]))
+    socks = {}
+    try:
+        for j in range(rank + 1, n):  # the lower rank of a pair connects, over the cable to j
+            port = int(store.get(f"tcp-floor/{j}"))
+            s = socket.create_connection((cable_addr(j, rank), port), timeout=args.timeout,
+                                         source_address=(cable_addr(rank, j), 0))
+            s.sendall(bytes([rank]))
+            socks[j] = s
+        for _ in range(rank):
+            s, _addr = ls.accept()
+            s.settimeout(args.timeout)
+            socks[_recv_exact(s, 1)[0]] = s
+        for s in socks.values():
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        per_peer = max(1, 2 * args.bytes // n)
+        src = np.ones(per_peer, np.uint8)
+        dst = {j: np.empty(per_peer, np.uint8) for j in socks}
+
+        def barrier():
+            for s in socks.values():
+                s.sendall(b"b")
+            for s in socks.values():
+                _recv_exact(s, 1)
+
+        def exchange():
+            errs = []
+
+            def guarded(f, *a):
+                try:
+                    f(*a)
+                except Exception as e:  # noqa: BLE001 - reported as this rank's error below
+                    errs.append(e)
+            threads = [threading.Thread(target=guarded, args=(s.sendall, memoryview(src))) for s in socks.values()]
+            threads += [threading.Thread(target=guarded, args=(_recv_into, s, dst[j])) for j, s in socks.items()]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            if errs:
+                raise errs[0]
+
+        times = []
+        for i in range(args.warmup + args.iters):
+            barrier()
+            t0 = time.perf_counter()
+            exchange()
+            if i >= args.warmup:
+                times.append(time.perf_counter() - t0)
+        barrier()
+        ok = all(bool(d[0] == 1 and d[-1] == 1) for d in dst.values())
+        return {"times": times, "ok": ok, "algo": "plain TCP, a stream per cable", "routes": None, "topology": None}
+    finally:
+        for s in socks.values():
+            s.close()
+        ls.close()
+        if rank == 0:
+            time.sleep(0.3)  # rank 0 serves the store
+
+
+def _recv_into(sock, buf):
+    view, got = memoryview(buf), 0
+    while got < len(view):
+        k = sock.recv_into(view[got:])
+        if k == 0:
+            raise ConnectionError("tcp floor: a peer closed its stream")
+        got += k
+
+
+def _recv_exact(sock, k):
+    buf = bytearray(k)
+    _recv_into(sock, buf)
+    return buf
+
+
 def _routes(comm):
     out = []
     for r in comm.routes():
@@ -127,7 +222,8 @@ def _gloo(args, rank, n):
 
 def main(argv=None):
     p = argparse.ArgumentParser()
-    p.add_argument("--lib", choices=("plait", "gloo"), required=True)
+    p.add_argument("--lib", choices=("plait", "gloo", "tcp"), required=True,
+                   help="tcp: the transport floor, plain TCP streams over the cables (allreduce only)")
     p.add_argument("--bytes", type=int, default=64 * 2**20)
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--warmup", type=int, default=1)
@@ -141,7 +237,7 @@ def main(argv=None):
         if args.op in ("p2p", "broadcast"):
             res = _plait_p2p(args, rank, n)
         else:
-            res = (_plait if args.lib == "plait" else _gloo)(args, rank, n)
+            res = {"plait": _plait, "gloo": _gloo, "tcp": _tcp_floor}[args.lib](args, rank, n)
         emit(ev="result", lib=args.lib, rank=rank, bytes=args.bytes, err=None, **res)
         return 0 if res["ok"] else 1
     except Exception as e:
