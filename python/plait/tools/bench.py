@@ -80,6 +80,10 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
                         "(allreduce only) is the floor: each rank streams the bytes a ring allreduce moves, "
                         "2(n-1)/n * S, to its neighbour over plain TCP while receiving as much, with no reduction "
                         "and no copies")
+    p.add_argument("--async-op", choices=("wait", "future"), default=None,
+                   help="issue each call with async_op=True and finish it with work.wait() ('wait') or "
+                        "work.get_future().wait() ('future': the path DDP's communication hooks take); default: "
+                        "blocking calls")
     p.add_argument("--schedules", default=None, metavar="PATH",
                    help="custom schedule files or directories for plait (as PLAIT_SCHEDULES; docs/schedules.md)")
     p.add_argument("--nproc", type=int, default=None, help="local ranks to spawn (default 2; ignored under torchrun)")
@@ -136,17 +140,27 @@ def _tensors(torch, op, S, n, rank, dt):
     return torch.full((count,), fill, dtype=dt), torch.empty(0, dtype=dt), count * es
 
 
-def _runner(dist, op, x, y, n, rank):
+def _runner(dist, op, x, y, n, rank, async_op=None):
+    """One call of `op`: blocking, or (`async_op`) issued asynchronously and finished at once."""
+    if async_op is None or op == "sendrecv":  # sendrecv is asynchronous already
+        return _call(dist, op, x, y, n, rank, {})
+    call = _call(dist, op, x, y, n, rank, {"async_op": True})
+    if async_op == "future":
+        return lambda: call().get_future().wait()
+    return lambda: call().wait()
+
+
+def _call(dist, op, x, y, n, rank, kw):
     if op == "allreduce":
-        return lambda: dist.all_reduce(x)
+        return lambda: dist.all_reduce(x, **kw)
     if op == "allgather":
-        return lambda: dist.all_gather_into_tensor(y, x)
+        return lambda: dist.all_gather_into_tensor(y, x, **kw)
     if op == "reduce_scatter":
-        return lambda: dist.reduce_scatter_tensor(y, x)
+        return lambda: dist.reduce_scatter_tensor(y, x, **kw)
     if op == "broadcast":
-        return lambda: dist.broadcast(x, 0)
+        return lambda: dist.broadcast(x, 0, **kw)
     if op == "alltoall":
-        return lambda: dist.all_to_all_single(y, x)
+        return lambda: dist.all_to_all_single(y, x, **kw)
     peer_to, peer_from = (rank + 1) % n, (rank - 1) % n
 
     def sendrecv():
@@ -290,7 +304,7 @@ def worker(args) -> int:
         ring = _TcpRing(dist.PrefixStore("bench/tcp-ring", store), rank, n) if raw else None
         for S in steps:
             x, y, S_real = _tensors(torch, args.op, S, n, rank, dt)
-            run = ring.runner(S_real) if raw else _runner(dist, args.op, x, y, n, rank)
+            run = ring.runner(S_real) if raw else _runner(dist, args.op, x, y, n, rank, args.async_op)
             for _ in range(args.warmup):
                 run()
             times = [0.0] * args.iters
@@ -329,6 +343,7 @@ def worker(args) -> int:
         dist.destroy_process_group()
     if rank == 0:
         payload = {"world_size": n, "op": args.op, "dtype": args.dtype, "wire": args.wire or os.environ.get("PLAIT_WIRE_DTYPE"),
+                   "async_op": args.async_op,
                    "backends": backends, "iters": args.iters, "warmup": args.warmup, "results": results}
         if args.out:
             with open(args.out, "w") as f:
@@ -364,6 +379,8 @@ def report(payload: dict, args) -> None:
     all_sizes = sorted({r["size"] for r in payload["results"]})
     for b in backends:
         title = f"{b}: {payload['op']} {payload['dtype']}, {n} ranks"
+        if payload.get("async_op"):
+            title += f", async_op then {'work.wait()' if payload['async_op'] == 'wait' else 'get_future().wait()'}"
         if b == "plait" and payload.get("wire"):
             title += f", wire {payload['wire']}"
         table = Table(title=title)
