@@ -882,3 +882,81 @@ fn a_rank_waiting_for_a_late_peer_polls_for_its_budget_then_sleeps() {
     assert!(waited >= LATE / 2, "rank 0 waited only {waited:?} for a peer {LATE:?} late");
     assert!(cpu < Duration::from_millis(500), "rank 0 used {cpu:?} of CPU waiting {waited:?} with a 90 ms busy-poll budget");
 }
+
+/// Waiting for an asynchronous call polls for the busy-poll budget, then sleeps: a rank whose
+/// peer is late does not spend its core on the whole wait.
+#[cfg(unix)]
+#[test]
+fn waiting_for_an_asynchronous_call_polls_for_its_budget_then_sleeps() {
+    const LATE: Duration = Duration::from_secs(2);
+    let results = world_with(
+        2,
+        0,
+        |cfg| cfg.busy_poll = Duration::from_millis(90),
+        |comm| {
+            let (mut x, mut y) = ([1.0f32; 3], [0.0f32; 3]);
+            allreduce(&comm, &mut x, &mut y, None).unwrap();
+            if comm.rank() == 1 {
+                std::thread::sleep(LATE);
+            }
+            let req = CollRequest { output: f32_buf(&mut y), ..CollRequest::allreduce(f32_buf(&mut x), DType::F32, ReduceOp::Sum) };
+            let (cpu, t) = (thread_cpu_time(), Instant::now());
+            let work = unsafe { comm.collective(req, false) }.unwrap();
+            work.wait(None).unwrap().unwrap();
+            (thread_cpu_time() - cpu, t.elapsed(), y)
+        },
+    );
+    let (cpu, waited, y) = results[0];
+    assert_eq!(y, [2.0; 3]);
+    assert!(waited >= LATE / 2, "rank 0 waited only {waited:?} for a peer {LATE:?} late");
+    assert!(cpu < Duration::from_millis(500), "rank 0 used {cpu:?} of CPU waiting {waited:?} with a 90 ms busy-poll budget");
+}
+
+/// A small asynchronous collective alone in flight reads the links on its worker; a large one
+/// started while it runs hands reading back to the links' threads, a small blocking call takes
+/// it again, and an asynchronous receive hands it back once more. Every switch happens while
+/// the other calls wait, and every one of them ends right on every rank.
+#[test]
+fn small_and_large_calls_in_flight_together_all_end_right_whoever_reads_the_links() {
+    let n = 3;
+    let results = world(n, 0, move |comm| {
+        let r = comm.rank();
+        let mut errors = Vec::new();
+        for round in 0..20 {
+            let (mut sx, mut sy) = (vec![r as f32 + 1.0; 5], vec![0.0f32; 5]);
+            let (mut bx, mut by) = (vec![round as f32; 100_000], vec![0.0f32; 100_000]);
+            let (mut cx, mut cy) = ([2.0f32; 7], [0.0f32; 7]);
+            let (mut msg, mut got) = (vec![(r * 100 + round) as f32; 9], vec![0.0f32; 9]);
+            let small = CollRequest { output: f32_buf(&mut sy), ..CollRequest::allreduce(f32_buf(&mut sx), DType::F32, ReduceOp::Sum) };
+            let big = CollRequest { output: f32_buf(&mut by), ..CollRequest::allreduce(f32_buf(&mut bx), DType::F32, ReduceOp::Sum) };
+            let (to, from) = ((r + 1) % n, (r + n - 1) % n);
+            let works = unsafe {
+                vec![
+                    comm.collective(small, false).unwrap(),
+                    comm.collective(big, false).unwrap(),
+                    comm.send(f32_buf(&mut msg), DType::F32, to, 7, None, false).unwrap(),
+                    comm.recv(f32_buf(&mut got), DType::F32, Some(from), 7, None, false).unwrap(),
+                ]
+            };
+            if let Err(e) = allreduce(&comm, &mut cx, &mut cy, None) {
+                errors.push(format!("round {round}: blocking allreduce: {e}"));
+            }
+            for (i, w) in works.iter().enumerate() {
+                if let Some(Err(e)) = w.wait(None) {
+                    errors.push(format!("round {round}: call {i}: {e}"));
+                }
+            }
+            let want_small = (n * (n + 1) / 2) as f32;
+            if sy != vec![want_small; 5] || by != vec![(round * n) as f32; 100_000] || cy != [2.0 * n as f32; 7] {
+                errors.push(format!("round {round}: wrong sums {} {} {}", sy[0], by[0], cy[0]));
+            }
+            if got != vec![(from * 100 + round) as f32; 9] {
+                errors.push(format!("round {round}: received {:?} from rank {from}", &got[..1]));
+            }
+        }
+        errors
+    });
+    for (r, errors) in results.iter().enumerate() {
+        assert!(errors.is_empty(), "rank {r}: {errors:?}");
+    }
+}

@@ -263,14 +263,14 @@ pub const SETTINGS: &[Setting] = &[
         name: "PLAIT_CALLER_READ_BYTES",
         kind: "bytes",
         default: "65536",
-        doc: "Blocking calls up to this size read their links on the calling thread (0: off).",
+        doc: "Calls up to this size read their links on the thread that runs them: blocking calls on the calling thread, and an asynchronous collective on its worker when no other asynchronous call is in flight on the links (0: off).",
         range: Some(BYTES_UP_TO),
     },
     Setting {
         name: "PLAIT_BUSY_POLL_US",
         kind: "microseconds",
         default: "1000",
-        doc: "A small blocking call polls its links this long, yielding its core between polls, before it sleeps until a frame arrives (0: sleep at once).",
+        doc: "A call that reads its links (PLAIT_CALLER_READ_BYTES) polls them this long, yielding its core between polls, before it sleeps until a frame arrives; a wait for an asynchronous call looks for its end this long before it sleeps (0: sleep at once).",
         range: Some(BUSY_POLL_US),
     },
     Setting {

@@ -44,9 +44,10 @@ impl Workers {
         }
     }
 
-    /// Runs `run` on a worker; the returned Work completes with its result.
-    pub fn submit(&self, run: Job) -> Result<Work> {
-        let work = Work::new();
+    /// Runs `run` on a worker; the returned Work completes with its result, and its waits
+    /// poll for `poll` before they sleep.
+    pub fn submit(&self, run: Job, poll: Duration) -> Result<Work> {
+        let work = Work::polling(poll);
         let jobs = self.jobs.lock();
         let tx = jobs.as_ref().ok_or_else(closed)?;
         // Claim an idle worker, or start one: a queued job must never wait for a busy one.

@@ -30,7 +30,7 @@ use crate::net::peer::{CallerPoll, PeerLink, SendBuf, SendReq};
 use crossbeam_channel::Sender;
 use parking_lot::Mutex;
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -81,6 +81,17 @@ struct Reading {
     /// Threads waiting on their links' receiver threads, told when those stop reading.
     watchers: Mutex<Vec<(u64, Sender<()>)>>,
     next_watcher: AtomicU64,
+    /// Asynchronous operations started on these links (by any group) and not yet ended.
+    in_background: Arc<AtomicUsize>,
+}
+
+/// An asynchronous operation counted in flight on its session's links until this is dropped.
+pub(crate) struct InBackground(Arc<AtomicUsize>);
+
+impl Drop for InBackground {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 /// Told when the links' receiver threads stop reading (callers read them from then on), so a
@@ -107,6 +118,7 @@ impl Session {
             switch: Mutex::new(()),
             watchers: Mutex::new(Vec::new()),
             next_watcher: AtomicU64::new(0),
+            in_background: Arc::new(AtomicUsize::new(0)),
         };
         Ok(Session::with(rank, size, 0, (0..size).map(|_| None).collect(), Arc::new(reading), groups, mailbox))
     }
@@ -254,6 +266,18 @@ impl Session {
         let id = self.reading.next_watcher.fetch_add(1, Ordering::Relaxed);
         self.reading.watchers.lock().push((id, tx));
         SwitchWatch { reading: &self.reading, id, switched: rx }
+    }
+
+    /// Counts an asynchronous operation in flight on these links until the guard is dropped.
+    pub fn in_background(&self) -> InBackground {
+        let count = self.reading.in_background.clone();
+        count.fetch_add(1, Ordering::SeqCst);
+        InBackground(count)
+    }
+
+    /// Whether no asynchronous operation of any group is in flight on these links.
+    pub fn nothing_in_background(&self) -> bool {
+        self.reading.in_background.load(Ordering::SeqCst) == 0
     }
 
     pub fn caller_progress(&self) -> bool {
