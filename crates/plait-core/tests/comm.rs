@@ -883,11 +883,11 @@ fn a_rank_waiting_for_a_late_peer_polls_for_its_budget_then_sleeps() {
     assert!(cpu < Duration::from_millis(500), "rank 0 used {cpu:?} of CPU waiting {waited:?} with a 90 ms busy-poll budget");
 }
 
-/// Waiting for an asynchronous call polls for the busy-poll budget, then sleeps: a rank whose
-/// peer is late does not spend its core on the whole wait.
+/// Waiting for an asynchronous call behind a late peer sleeps once the busy-poll budget is
+/// spent: the rank does not spend its core on the whole wait.
 #[cfg(unix)]
 #[test]
-fn waiting_for_an_asynchronous_call_polls_for_its_budget_then_sleeps() {
+fn waiting_for_an_asynchronous_call_behind_a_late_peer_sleeps_after_its_budget() {
     const LATE: Duration = Duration::from_secs(2);
     let results = world_with(
         2,
@@ -912,15 +912,17 @@ fn waiting_for_an_asynchronous_call_polls_for_its_budget_then_sleeps() {
     assert!(cpu < Duration::from_millis(500), "rank 0 used {cpu:?} of CPU waiting {waited:?} with a 90 ms busy-poll budget");
 }
 
-/// A small asynchronous collective alone in flight reads the links on its worker; a large one
-/// started while it runs hands reading back to the links' threads, a small blocking call takes
-/// it again, and an asynchronous receive hands it back once more. Every switch happens while
-/// the other calls wait, and every one of them ends right on every rank.
+/// Who reads the links changes hands while calls wait, and every call ends right on every rank.
+/// Each round: a small asynchronous allreduce of a subgroup (alone in flight: its worker reads
+/// the links), a large asynchronous one of the whole group on the same links (the receiver
+/// threads take over), a small blocking one (the calling thread reads, with both in flight),
+/// and an asynchronous send and receive (the receiver threads again).
 #[test]
 fn small_and_large_calls_in_flight_together_all_end_right_whoever_reads_the_links() {
     let n = 3;
     let results = world(n, 0, move |comm| {
         let r = comm.rank();
+        let sub = comm.subgroup("all", &[2, 0, 1], None, None).unwrap();
         let mut errors = Vec::new();
         for round in 0..20 {
             let (mut sx, mut sy) = (vec![r as f32 + 1.0; 5], vec![0.0f32; 5]);
@@ -930,17 +932,16 @@ fn small_and_large_calls_in_flight_together_all_end_right_whoever_reads_the_link
             let small = CollRequest { output: f32_buf(&mut sy), ..CollRequest::allreduce(f32_buf(&mut sx), DType::F32, ReduceOp::Sum) };
             let big = CollRequest { output: f32_buf(&mut by), ..CollRequest::allreduce(f32_buf(&mut bx), DType::F32, ReduceOp::Sum) };
             let (to, from) = ((r + 1) % n, (r + n - 1) % n);
-            let works = unsafe {
-                vec![
-                    comm.collective(small, false).unwrap(),
-                    comm.collective(big, false).unwrap(),
-                    comm.send(f32_buf(&mut msg), DType::F32, to, 7, None, false).unwrap(),
-                    comm.recv(f32_buf(&mut got), DType::F32, Some(from), 7, None, false).unwrap(),
-                ]
-            };
+            let mut works = unsafe { vec![sub.collective(small, false).unwrap(), comm.collective(big, false).unwrap()] };
             if let Err(e) = allreduce(&comm, &mut cx, &mut cy, None) {
                 errors.push(format!("round {round}: blocking allreduce: {e}"));
             }
+            works.extend(unsafe {
+                [
+                    comm.send(f32_buf(&mut msg), DType::F32, to, 7, None, false).unwrap(),
+                    comm.recv(f32_buf(&mut got), DType::F32, Some(from), 7, None, false).unwrap(),
+                ]
+            });
             for (i, w) in works.iter().enumerate() {
                 if let Some(Err(e)) = w.wait(None) {
                     errors.push(format!("round {round}: call {i}: {e}"));
@@ -954,6 +955,7 @@ fn small_and_large_calls_in_flight_together_all_end_right_whoever_reads_the_link
                 errors.push(format!("round {round}: received {:?} from rank {from}", &got[..1]));
             }
         }
+        sub.close();
         errors
     });
     for (r, errors) in results.iter().enumerate() {

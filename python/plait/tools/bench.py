@@ -379,7 +379,7 @@ def report(payload: dict, args) -> None:
     all_sizes = sorted({r["size"] for r in payload["results"]})
     for b in backends:
         title = f"{b}: {payload['op']} {payload['dtype']}, {n} ranks"
-        if payload.get("async_op"):
+        if payload.get("async_op") and b != "tcp-ring" and payload["op"] != "sendrecv":
             title += f", async_op then {'work.wait()' if payload['async_op'] == 'wait' else 'get_future().wait()'}"
         if b == "plait" and payload.get("wire"):
             title += f", wire {payload['wire']}"

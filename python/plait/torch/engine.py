@@ -122,8 +122,8 @@ class Group:
         """Whether a call's core operations run on the caller's thread (GIL released): a thread
         hand-off costs more than a small operation. A collective must be blocking (torch says so
         in opts.asyncOp), small enough, and alone in flight in this group: an inline call has its
-        thread read the links (the core's caller progress), and an operation waited for on a core
-        worker would sit unread once it returns. Point-to-point never: c10d does not say whether
+        thread read the links (the core's caller progress), which would take them from the
+        receiver threads that serve a larger operation in flight. Point-to-point never: c10d does not say whether
         a send or receive is blocking, the core starts the transfer at the call anyway, and
         switching the links between the caller and their own threads at every message costs more
         than the hand-off saves (a blocking 4-byte round trip took ~10% longer with small sends

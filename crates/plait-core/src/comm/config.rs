@@ -270,7 +270,7 @@ pub const SETTINGS: &[Setting] = &[
         name: "PLAIT_BUSY_POLL_US",
         kind: "microseconds",
         default: "1000",
-        doc: "A call that reads its links (PLAIT_CALLER_READ_BYTES) polls them this long, yielding its core between polls, before it sleeps until a frame arrives; a wait for an asynchronous call looks for its end this long before it sleeps (0: sleep at once).",
+        doc: "A call that reads its links (PLAIT_CALLER_READ_BYTES) polls them this long, yielding its core between polls, before it sleeps until a frame arrives; a wait for a small asynchronous call looks for its end this long before it sleeps (0: sleep at once).",
         range: Some(BUSY_POLL_US),
     },
     Setting {

@@ -320,20 +320,10 @@ impl Communicator {
         planner.plan(req)
     }
 
-    /// Whether a blocking point-to-point call of `nbytes` reads the links on the calling thread.
-    fn caller_reads(&self, inline: bool, nbytes: usize) -> bool {
-        inline && nbytes <= self.cfg.caller_read_bytes
-    }
-
-    /// Whether a collective of `nbytes` reads the links on the thread that runs it: a small one,
-    /// blocking, or asynchronous with no other asynchronous operation in flight on these links
-    /// (of this group or another sharing them). Its worker then
-    /// finds the peers' frames itself instead of being woken by the links' threads for each:
-    /// a 4-byte allreduce with `async_op=True` then `wait()` took 198-214 us instead of 316-352
-    /// at 2 ranks on 2 cores. Any operation that wants the links' threads switches them back
-    /// (`Session::set_caller_progress`), and every waiting operation follows the switch.
-    fn collective_reads(&self, inline: bool, nbytes: usize) -> bool {
-        nbytes <= self.cfg.caller_read_bytes && (inline || self.session.nothing_in_background())
+    /// Whether a call of `nbytes` is small: run blocking, it reads the links on the calling
+    /// thread; waited for, its waits poll before they sleep.
+    fn small(&self, nbytes: usize) -> bool {
+        nbytes <= self.cfg.caller_read_bytes
     }
 
     /// Runs a collective. `inline` runs it on this thread (the caller waits anyway); otherwise
@@ -349,8 +339,7 @@ impl Communicator {
         let (input, output) = (req.input, req.output);
         let me = self.clone();
         let (run_turn, start_turn) = held_while(inline, turn);
-        let reads = self.collective_reads(inline, input.len.max(output.len));
-        let work = self.submit(inline, reads, Box::new(move || {
+        let work = self.submit(inline, self.small(input.len.max(output.len)), Background::MayRead, Box::new(move || {
             let _turn = run_turn;
             run_collective(&me.session, &spec, &sched, &layout, input, output).map(|_| 0)
         }));
@@ -393,11 +382,11 @@ impl Communicator {
         self.check_tag("send", tag)?;
         let timeout = check_timeout("send", timeout.unwrap_or(self.cfg.timeout))?;
         let what: Arc<str> = format!("send to rank {peer} (tag {tag}, {} bytes)", data.len).into();
-        let caller_reads = self.caller_reads(inline, data.len);
-        self.session.set_caller_progress(caller_reads);
+        let small = self.small(data.len);
+        self.session.set_caller_progress(inline && small);
         let started = p2p::start_send(&self.session, peer, tag, dtype, data, what)?;
         let me = self.clone();
-        self.submit(inline, caller_reads, Box::new(move || p2p::finish_p2p(&me.session, started, timeout)))
+        self.submit(inline, small, Background::Threads, Box::new(move || p2p::finish_p2p(&me.session, started, timeout)))
     }
 
     /// Receives into `data` from `src` (any source when None) with `tag`; the Work's value is
@@ -417,11 +406,11 @@ impl Communicator {
         let timeout = check_timeout("recv", timeout.unwrap_or(self.cfg.timeout))?;
         let from = src.map(|s| format!("rank {s}")).unwrap_or_else(|| "any rank".into());
         let what: Arc<str> = format!("recv from {from} (tag {tag}, {} bytes)", data.len).into();
-        let caller_reads = self.caller_reads(inline, data.len);
-        self.session.set_caller_progress(caller_reads);
+        let small = self.small(data.len);
+        self.session.set_caller_progress(inline && small);
         let started = p2p::start_recv(&self.session, src, tag, dtype, data, what)?;
         let me = self.clone();
-        self.submit(inline, caller_reads, Box::new(move || p2p::finish_p2p(&me.session, started, timeout)))
+        self.submit(inline, small, Background::Threads, Box::new(move || p2p::finish_p2p(&me.session, started, timeout)))
     }
 
     /// Every rank waits until every rank has entered the barrier.
@@ -447,7 +436,7 @@ impl Communicator {
         spec.what = format!("barrier #{}", spec.seq).into();
         let me = self.clone();
         let (run_turn, start_turn) = held_while(inline, turn);
-        let work = self.submit(inline, self.collective_reads(inline, buf.len), Box::new(move || {
+        let work = self.submit(inline, self.small(buf.len), Background::MayRead, Box::new(move || {
             let _turn = run_turn;
             let r = run_collective(&me.session, &spec, &sched, &layout, buf, buf).map(|_| 0);
             drop(token);
@@ -457,10 +446,11 @@ impl Communicator {
         work
     }
 
-    /// Runs `run` here (`inline`) or on a worker. `caller_reads`: the thread that runs it reads
-    /// the links while it waits (small calls); otherwise the links' receiver threads read.
-    fn submit(&self, inline: bool, caller_reads: bool, run: Job) -> Result<Work> {
-        self.session.set_caller_progress(caller_reads);
+    /// Runs `run` here (`inline`) or on a worker. A `small` call run here reads the links on this
+    /// thread while it waits; on a worker, `background` says whether it may (see
+    /// `Session::start_in_background`), and waits for its Work poll before they sleep. Otherwise
+    /// the links' receiver threads read.
+    fn submit(&self, inline: bool, small: bool, background: Background, run: Job) -> Result<Work> {
         let session = self.session.clone();
         // A panic inside an operation must not cross into the caller (or kill a worker and leave
         // its Work pending forever): its transfers have been withdrawn by then (`Transfers`), and
@@ -474,16 +464,21 @@ impl Communicator {
             })
         });
         if inline {
+            self.session.set_caller_progress(small);
             let work = Work::new();
             work.complete(run());
             return Ok(work);
         }
-        let in_background = self.session.in_background();
+        // Why a small collective alone in flight reads on its worker: the worker then finds the
+        // peers' frames itself instead of being woken by a receiver thread for each. A 4-byte
+        // allreduce with async_op=True then wait() took 198-214 us instead of 316-352 at 2 ranks
+        // on 2 cores, 498-535 instead of 584-602 at 3 (interleaved runs).
+        let in_background = self.session.start_in_background(small && background == Background::MayRead);
         let run: Job = Box::new(move || {
             let _in_background = in_background;
             run()
         });
-        self.workers.submit(run, self.session.busy_poll)
+        self.workers.submit(run, if small { self.session.busy_poll } else { Duration::ZERO })
     }
 
     /// The algorithm the selector picks for a call of `nbytes` (per rank buffer).
@@ -574,6 +569,17 @@ impl Communicator {
             l.close();
         }
     }
+}
+
+/// Whether an asynchronous call may read the links on its worker.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Background {
+    /// A collective: it may, when small and alone in flight.
+    MayRead,
+    /// Point-to-point: never; the receiver threads read. Switching the links between callers
+    /// and receiver threads at every message cost more than the hand-off saves (see
+    /// `runs_inline` in plait.torch).
+    Threads,
 }
 
 /// How long a collective's turn lasts (see `ThreadUse::Sequential`): a blocking call holds it

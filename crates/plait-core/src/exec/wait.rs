@@ -1,5 +1,5 @@
 //! Waiting for an operation's events: on the links' threads' reports, or reading the links on
-//! this thread (small blocking calls); and what a failure is blamed on while waiting.
+//! this thread (small calls); and what a failure is blamed on while waiting.
 
 use crate::error::PlaitError;
 use crate::session::{Event, Session};

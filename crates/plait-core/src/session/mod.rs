@@ -239,7 +239,7 @@ impl Session {
         self.links.get(peer).and_then(|l| l.as_ref()).map(|l| l.addr.clone()).unwrap_or_default()
     }
 
-    /// Small blocking operations: the waiting thread reads the links itself, one thread
+    /// Small operations: the thread that waits for one reads the links itself, one thread
     /// wake-up per message instead of two. Anything else: the links' receiver threads read.
     pub fn set_caller_progress(&self, on: bool) {
         let r = &*self.reading;
@@ -247,6 +247,12 @@ impl Session {
             return;
         }
         let _switching = r.switch.lock();
+        self.switch_reading(on);
+    }
+
+    /// Sets who reads the links; the caller holds `reading.switch`.
+    fn switch_reading(&self, on: bool) {
+        let r = &*self.reading;
         if r.on.swap(on, Ordering::AcqRel) != on {
             for link in r.links.lock().iter() {
                 link.set_caller_mode(on);
@@ -268,16 +274,18 @@ impl Session {
         SwitchWatch { reading: &self.reading, id, switched: rx }
     }
 
-    /// Counts an asynchronous operation in flight on these links until the guard is dropped.
-    pub fn in_background(&self) -> InBackground {
-        let count = self.reading.in_background.clone();
-        count.fetch_add(1, Ordering::SeqCst);
-        InBackground(count)
-    }
-
-    /// Whether no asynchronous operation of any group is in flight on these links.
-    pub fn nothing_in_background(&self) -> bool {
-        self.reading.in_background.load(Ordering::SeqCst) == 0
+    /// Starts an asynchronous operation on these links: it counts as in flight until the guard
+    /// is dropped. The worker running it reads the links itself only when it
+    /// `may_read` (a small collective) and no other asynchronous operation, of any group sharing
+    /// these links, is in flight; otherwise the links' receiver threads read. Counted, decided and
+    /// switched under one lock, so an operation started at the same time on another thread
+    /// cannot slip between the decision and the switch.
+    pub fn start_in_background(&self, may_read: bool) -> InBackground {
+        let r = &*self.reading;
+        let _switching = r.switch.lock();
+        let alone = r.in_background.fetch_add(1, Ordering::SeqCst) == 0;
+        self.switch_reading(may_read && alone);
+        InBackground(r.in_background.clone())
     }
 
     pub fn caller_progress(&self) -> bool {
