@@ -472,7 +472,7 @@ impl Communicator {
         // Why a small collective alone in flight reads on its worker: the worker then finds the
         // peers' frames itself instead of being woken by a receiver thread for each. A 4-byte
         // allreduce with async_op=True then wait() took 198-214 us instead of 316-352 at 2 ranks
-        // on 2 cores, 498-535 instead of 584-602 at 3 (interleaved runs).
+        // on 2 cores, 498-535 instead of 584-602 at 3 (interleaved runs, only this changed).
         let in_background = self.session.start_in_background(small && background == Background::MayRead);
         let run: Job = Box::new(move || {
             let _in_background = in_background;
