@@ -853,6 +853,38 @@ fn thread_cpu_time() -> Duration {
     Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
 }
 
+/// Rank 0's CPU time in a 3-float sum that rank 1 joins 2 s late, with a 90 ms busy-poll
+/// budget: made blocking, or (`asynchronous`) started asynchronously and waited for. Checks the
+/// sum and that rank 0 did wait; returns (CPU time, time waited).
+#[cfg(unix)]
+fn cpu_behind_a_late_peer(asynchronous: bool) -> (Duration, Duration) {
+    const LATE: Duration = Duration::from_secs(2);
+    let results = world_with(
+        2,
+        0,
+        |cfg| cfg.busy_poll = Duration::from_millis(90),
+        move |comm| {
+            let (mut x, mut y) = ([1.0f32; 3], [0.0f32; 3]);
+            allreduce(&comm, &mut x, &mut y, None).unwrap();
+            if comm.rank() == 1 {
+                std::thread::sleep(LATE);
+            }
+            let (cpu, t) = (thread_cpu_time(), Instant::now());
+            if asynchronous {
+                let req = CollRequest { output: f32_buf(&mut y), ..CollRequest::allreduce(f32_buf(&mut x), DType::F32, ReduceOp::Sum) };
+                unsafe { comm.collective(req, false) }.unwrap().wait(None).unwrap().unwrap();
+            } else {
+                allreduce(&comm, &mut x, &mut y, None).unwrap();
+            }
+            (thread_cpu_time() - cpu, t.elapsed(), y)
+        },
+    );
+    let (cpu, waited, y) = results[0];
+    assert_eq!(y, [2.0; 3]);
+    assert!(waited >= LATE / 2, "rank 0 waited only {waited:?} for a peer {LATE:?} late");
+    (cpu, waited)
+}
+
 /// A small blocking call polls its links for its busy-poll budget, then sleeps: a rank that
 /// reaches the call long before a late peer does not spend its core on the whole wait. The
 /// budget counts once per call, not once per wait inside it: the call waits in windows of at
@@ -861,25 +893,7 @@ fn thread_cpu_time() -> Duration {
 #[cfg(unix)]
 #[test]
 fn a_rank_waiting_for_a_late_peer_polls_for_its_budget_then_sleeps() {
-    const LATE: Duration = Duration::from_secs(2);
-    let results = world_with(
-        2,
-        0,
-        |cfg| cfg.busy_poll = Duration::from_millis(90),
-        |comm| {
-            let (mut x, mut y) = ([1.0f32; 3], [0.0f32; 3]);
-            allreduce(&comm, &mut x, &mut y, None).unwrap();
-            if comm.rank() == 1 {
-                std::thread::sleep(LATE);
-            }
-            let (cpu, t) = (thread_cpu_time(), Instant::now());
-            allreduce(&comm, &mut x, &mut y, None).unwrap();
-            (thread_cpu_time() - cpu, t.elapsed(), y)
-        },
-    );
-    let (cpu, waited, y) = results[0];
-    assert_eq!(y, [2.0; 3]);
-    assert!(waited >= LATE / 2, "rank 0 waited only {waited:?} for a peer {LATE:?} late");
+    let (cpu, waited) = cpu_behind_a_late_peer(false);
     assert!(cpu < Duration::from_millis(500), "rank 0 used {cpu:?} of CPU waiting {waited:?} with a 90 ms busy-poll budget");
 }
 
@@ -888,28 +902,8 @@ fn a_rank_waiting_for_a_late_peer_polls_for_its_budget_then_sleeps() {
 #[cfg(unix)]
 #[test]
 fn waiting_for_an_asynchronous_call_behind_a_late_peer_sleeps_after_its_budget() {
-    const LATE: Duration = Duration::from_secs(2);
-    let results = world_with(
-        2,
-        0,
-        |cfg| cfg.busy_poll = Duration::from_millis(90),
-        |comm| {
-            let (mut x, mut y) = ([1.0f32; 3], [0.0f32; 3]);
-            allreduce(&comm, &mut x, &mut y, None).unwrap();
-            if comm.rank() == 1 {
-                std::thread::sleep(LATE);
-            }
-            let req = CollRequest { output: f32_buf(&mut y), ..CollRequest::allreduce(f32_buf(&mut x), DType::F32, ReduceOp::Sum) };
-            let (cpu, t) = (thread_cpu_time(), Instant::now());
-            let work = unsafe { comm.collective(req, false) }.unwrap();
-            work.wait(None).unwrap().unwrap();
-            (thread_cpu_time() - cpu, t.elapsed(), y)
-        },
-    );
-    let (cpu, waited, y) = results[0];
-    assert_eq!(y, [2.0; 3]);
-    assert!(waited >= LATE / 2, "rank 0 waited only {waited:?} for a peer {LATE:?} late");
-    assert!(cpu < Duration::from_millis(500), "rank 0 used {cpu:?} of CPU waiting {waited:?} with a 90 ms busy-poll budget");
+    let (cpu, waited) = cpu_behind_a_late_peer(true);
+    assert!(cpu < Duration::from_millis(500), "rank 0 used {cpu:?} of CPU waiting {waited:?} on the Work with a 90 ms busy-poll budget");
 }
 
 /// Who reads the links changes hands while calls wait, and every call ends right on every rank.
