@@ -275,11 +275,11 @@ impl Session {
     }
 
     /// Starts an asynchronous operation on these links: it counts as in flight until the guard
-    /// is dropped. The worker running it reads the links itself only when it
-    /// `may_read` (a small collective) and no other asynchronous operation, of any group sharing
-    /// these links, is in flight; otherwise the links' receiver threads read. Counted, decided and
-    /// switched under one lock, so an operation started at the same time on another thread
-    /// cannot slip between the decision and the switch.
+    /// is dropped. The worker running it reads the links itself only when it `may_read` (a small
+    /// collective) and no other asynchronous operation, of any group sharing these links, is in
+    /// flight; otherwise the links' receiver threads read. Counted, decided and switched under
+    /// one lock, so an operation started at the same time on another thread cannot slip between
+    /// the decision and the switch.
     pub fn start_in_background(&self, may_read: bool) -> InBackground {
         let r = &*self.reading;
         let _switching = r.switch.lock();
