@@ -241,13 +241,20 @@ def _send_msg(sock, obj):
     sock.sendall(len(data).to_bytes(4, "big") + data)
 
 
+def recv_into(sock, buf, what):
+    """Fills the writable buffer `buf` from `sock`; a ConnectionError saying "`what` closed" if
+    the peer closes first."""
+    view, got = memoryview(buf).cast("B"), 0
+    while got < len(view):
+        k = sock.recv_into(view[got:])
+        if k == 0:
+            raise ConnectionError(f"{what} closed")
+        got += k
+
+
 def _recv_exact(sock, n):
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = sock.recv(n - len(buf))
-        if not chunk:
-            raise ConnectionError("store connection closed")
-        buf += chunk
+    buf = bytearray(n)
+    recv_into(sock, buf, "store connection")
     return bytes(buf)
 
 

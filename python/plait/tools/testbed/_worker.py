@@ -105,7 +105,7 @@ def _tcp_floor(args, rank, n):
     import socket
     import threading
 
-    from plait.tools.doctor import DoctorStore
+    from plait.tools.doctor import DoctorStore, recv_into
 
     from . import cable_addr
 
@@ -126,7 +126,9 @@ def _tcp_floor(args, rank, n):
         for _ in range(rank):
             s, _addr = ls.accept()
             s.settimeout(args.timeout)
-            socks[_recv_exact(s, 1)[0]] = s
+            peer = bytearray(1)
+            recv_into(s, peer, "tcp floor: a peer's stream")
+            socks[peer[0]] = s
         for s in socks.values():
             s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         per_peer = max(1, 2 * args.bytes // n)
@@ -137,7 +139,7 @@ def _tcp_floor(args, rank, n):
             for s in socks.values():
                 s.sendall(b"b")
             for s in socks.values():
-                _recv_exact(s, 1)
+                recv_into(s, bytearray(1), "tcp floor: a peer's stream")
 
         def exchange():
             errs = []
@@ -148,7 +150,8 @@ def _tcp_floor(args, rank, n):
                 except Exception as e:  # noqa: BLE001 - reported as this rank's error below
                     errs.append(e)
             threads = [threading.Thread(target=guarded, args=(s.sendall, memoryview(src))) for s in socks.values()]
-            threads += [threading.Thread(target=guarded, args=(_recv_into, s, dst[j])) for j, s in socks.items()]
+            threads += [threading.Thread(target=guarded, args=(recv_into, s, dst[j], f"tcp floor: rank {j}'s stream"))
+                        for j, s in socks.items()]
             for t in threads:
                 t.start()
             for t in threads:
@@ -172,21 +175,6 @@ def _tcp_floor(args, rank, n):
         ls.close()
         if rank == 0:
             time.sleep(0.3)  # rank 0 serves the store
-
-
-def _recv_into(sock, buf):
-    view, got = memoryview(buf), 0
-    while got < len(view):
-        k = sock.recv_into(view[got:])
-        if k == 0:
-            raise ConnectionError("tcp floor: a peer closed its stream")
-        got += k
-
-
-def _recv_exact(sock, k):
-    buf = bytearray(k)
-    _recv_into(sock, buf)
-    return buf
 
 
 def _routes(comm):
