@@ -78,7 +78,12 @@ pub(super) fn better_explained(session: &Session, err: PlaitError) -> PlaitError
         if let Some(first) = session.broken() {
             return first;
         }
-        std::thread::sleep(Duration::from_millis(5));
+        // While callers read the links, the cause arrives only if this thread reads it.
+        if session.caller_progress() {
+            session.progress(Duration::from_millis(5), until);
+        } else {
+            std::thread::sleep(Duration::from_millis(5));
+        }
     }
     err
 }
